@@ -1,0 +1,216 @@
+"""LeanAttention decode kernel: stream-K over LeanTiles, single launch, last-arriver merge.
+
+Scores are kept in the log2 domain (``qk * scale * log2(e)``, ``exp2``) and converted to a natural
+log only for the returned LSE. Every value is upcast to fp32 right after loading except the ``tl.dot``
+operands, which stay in the cache dtype so tensor cores do the products (fp32 caches use "ieee").
+"""
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.schedule import (
+    _locate,
+    _num_active,
+    _program_of_tile,
+    _program_start,
+    _total_tiles,
+)
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _kv_rows(bt_ptr, b, o_n, m_n, stride_kb, stride_kn, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of tokens o_n of sequence b, for a contiguous or a paged cache."""
+    if PAGED:
+        o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + o_n // PAGE_SIZE, mask=m_n, other=0)
+        return tl.cast(o_page, tl.int64) * stride_kb + (o_n % PAGE_SIZE).to(tl.int64) * stride_kn
+    return tl.cast(b, tl.int64) * stride_kb + tl.cast(o_n, tl.int64) * stride_kn
+
+
+@triton.jit
+def _attend(
+    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_lo, n_hi, scale_log2,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Un-normalized partial (acc [BLOCK_G, D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
+
+    The caller guarantees n_lo < n_hi, so the first block has a valid key and m is finite.
+    """
+    o_d = tl.arange(0, HEAD_DIM)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_hi
+        o_k = _kv_rows(bt_ptr, b, o_n, m_n, stride_kb, stride_kn, stride_bt, PAGED, PAGE_SIZE)
+        o_v = _kv_rows(bt_ptr, b, o_n, m_n, stride_vb, stride_vn, stride_bt, PAGED, PAGE_SIZE)
+        p_k = k_ptr + (o_k + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
+        p_v = v_ptr + (o_v + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_v, mask=m_n[:, None], other=0.0)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _store_output(
+    out_ptr, lse_ptr, b, h_q, n_rows, b_acc, b_m, b_l, stride_ob, stride_oh, stride_lb,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Normalize and store rows h_q .. h_q + n_rows of sequence b. l == 0 (empty) gives 0 and -inf."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, HEAD_DIM)
+    m_g = o_g < n_rows
+    b_empty = b_l == 0.0
+    b_out = b_acc / tl.where(b_empty, 1.0, b_l)[:, None]
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(tl.where(b_empty, 1.0, b_l))) * LN2)
+    p_o = out_ptr + tl.cast(b, tl.int64) * stride_ob + (h_q + o_g).to(tl.int64)[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_out.to(out_ptr.dtype.element_ty), mask=m_g[:, None])
+    tl.store(lse_ptr + tl.cast(b, tl.int64) * stride_lb + h_q + o_g, b_lse, mask=m_g)
+
+
+@triton.jit
+def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, b_acc, b_m, b_l, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Write one partial to workspace slot o_slot (= 2 * program + 0 or 1)."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, HEAD_DIM)
+    o_slot = tl.cast(o_slot, tl.int64)
+    tl.store(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * HEAD_DIM + o_d[None, :], b_acc)
+    tl.store(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m)
+    tl.store(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l)
+
+
+@triton.jit
+def _merge_partials(
+    ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Merge the partials of one output in program order, so the result never depends on arrival.
+
+    Contributor p left its partial in slot 1 when the output began after p's first tile (it was p's
+    last segment), else in slot 0. Loads use ``.cg`` (L2, not the non-coherent L1): the partials
+    were written by other SMs, and this SM may hold stale copies of neighbouring lines.
+    """
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, HEAD_DIM)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for p in range(p_first, p_last + 1):
+        slot = (_program_start(p, total, n_active) < out_start).to(tl.int64)
+        o_slot = tl.cast(p, tl.int64) * 2 + slot
+        b_mp = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, cache_modifier=".cg")
+        b_lp = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, cache_modifier=".cg")
+        p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * HEAD_DIM + o_d[None, :]
+        b_accp = tl.load(p_acc, cache_modifier=".cg")
+        b_m_new = tl.maximum(b_m, b_mp)
+        b_a = tl.exp2(b_m - b_m_new)
+        b_c = tl.exp2(b_mp - b_m_new)
+        b_l = b_l * b_a + b_lp * b_c
+        b_acc = b_acc * b_a[:, None] + b_accp * b_c[:, None]
+        b_m = b_m_new
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _write_empty_sequences(
+    pid, n_active, seqlens_ptr, out_ptr, lse_ptr, B, HKV, GROUP, NUM_GC,
+    stride_ob, stride_oh, stride_lb, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Zero-length sequences own no tile; active programs share them round-robin: out 0, lse -inf."""
+    b_zero = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    b_none = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_nol = tl.zeros([BLOCK_G], tl.float32)
+    for b in range(tl.where(pid < n_active, pid, B), B, n_active):
+        if tl.load(seqlens_ptr + b) == 0:
+            for hu in range(0, HKV * NUM_GC):
+                row0 = (hu % NUM_GC) * BLOCK_G
+                h_q = (hu // NUM_GC) * GROUP + row0
+                _store_output(out_ptr, lse_ptr, b, h_q, tl.minimum(GROUP - row0, BLOCK_G), b_zero, b_none, b_nol,
+                              stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)
+
+
+@triton.jit
+def _finish_split(
+    ws_acc_ptr, ws_ml_ptr, counter_ptr, unit, pid, is_first_seg, out_start, n_tiles, total, n_active,
+    b_acc, b_m, b_l, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Publish this program's partial of a split output; if it arrives last, merge and return True.
+
+    The barrier makes every thread's partial stores happen before the (single-thread) release
+    atomic; the acq_rel atomic orders the merger's later loads after all contributors' releases.
+    """
+    _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + tl.where(is_first_seg, 0, 1), b_acc, b_m, b_l, HEAD_DIM, BLOCK_G)
+    tl.debug_barrier()
+    p_first = _program_of_tile(out_start, total, n_active)
+    p_last = _program_of_tile(out_start + n_tiles - 1, total, n_active)
+    arrived = tl.atomic_add(counter_ptr + unit, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == p_last - p_first
+    if is_last:
+        # Leave the counter at zero so the next launch (or CUDA-graph replay) starts clean.
+        tl.atomic_xchg(counter_ptr + unit, 0, sem="relaxed", scope="gpu")
+        b_acc, b_m, b_l = _merge_partials(
+            ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active, HEAD_DIM, BLOCK_G
+        )
+    return is_last, b_acc, b_m, b_l
+
+
+@triton.jit
+def decode_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
+    scale_log2, B, HKV, num_programs,
+    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    stride_ob, stride_oh, stride_lb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One persistent program of the stream-K grid; see schedule.py for the tile order."""
+    pid = tl.program_id(0)
+    total = _total_tiles(seqlens_ptr, B, HKV * NUM_GC, TILE_N, BLOCK_B)
+    n_active = _num_active(total, num_programs, MIN_TILES)
+    _write_empty_sequences(pid, n_active, seqlens_ptr, out_ptr, lse_ptr, B, HKV, GROUP, NUM_GC,
+                           stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)
+    t0 = _program_start(pid, total, n_active)
+    t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, HEAD_DIM)
+    t = t0
+    while t < t1:
+        b, local, n_tiles = _locate(t, seqlens_ptr, B, HKV * NUM_GC, TILE_N, BLOCK_B)
+        hu = local // n_tiles
+        tile = local % n_tiles
+        out_start = t - tile
+        seg_end = tl.minimum(t1, out_start + n_tiles)
+        row0 = (hu % NUM_GC) * BLOCK_G
+        n_rows = tl.minimum(GROUP - row0, BLOCK_G)
+        h_q = (hu // NUM_GC) * GROUP + row0
+        p_q = q_ptr + tl.cast(b, tl.int64) * stride_qb + (h_q + o_g)[:, None] * stride_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=(o_g < n_rows)[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+        n_hi = tl.minimum((tile + seg_end - t) * TILE_N, tl.load(seqlens_ptr + b))
+        b_acc, b_m, b_l = _attend(
+            b_q, k_ptr, v_ptr, bt_ptr, b, hu // NUM_GC, tile * TILE_N, n_hi, scale_log2,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+            HEAD_DIM, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+        )
+        do_store = (out_start >= t0) & (out_start + n_tiles <= t1)
+        if not do_store:
+            do_store, b_acc, b_m, b_l = _finish_split(
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, b * HKV * NUM_GC + hu, pid, t == t0, out_start, n_tiles,
+                total, n_active, b_acc, b_m, b_l, HEAD_DIM, BLOCK_G,
+            )
+        if do_store:
+            _store_output(out_ptr, lse_ptr, b, h_q, n_rows, b_acc, b_m, b_l,
+                          stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)
+        t = seg_end

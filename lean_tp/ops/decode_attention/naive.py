@@ -1,0 +1,42 @@
+"""Float64 reference of decode attention: the slow, obvious definition every backend is tested against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, b: int, length: int, block_table: torch.Tensor | None) -> torch.Tensor:
+    """Keys (or values) of sequence b as (Hkv, length, D), for a contiguous or a paged cache."""
+    if block_table is None:
+        return cache[b, :, :length]
+    page_size = cache.shape[1]
+    pages = block_table[b, : math.ceil(length / page_size)].long()
+    return cache[pages].flatten(0, 1)[:length].transpose(0, 1)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, Hq, D) and lse (B, Hq), both float64; shapes as in ``lean_tp.decode_attention``."""
+    batch, num_q_heads, head_dim = q.shape
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
+    lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float64)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if length == 0:
+            continue
+        k = gather_kv(k_cache, b, length, block_table).double().cpu()
+        v = gather_kv(v_cache, b, length, block_table).double().cpu()
+        group = num_q_heads // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        s = torch.einsum("hd,hnd->hn", q[b].double().cpu(), k) * scale
+        lse[b] = torch.logsumexp(s, -1)
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v)
+    return out, lse

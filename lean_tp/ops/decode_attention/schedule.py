@@ -1,0 +1,120 @@
+"""Stream-K schedule of the decode kernel, computed on the device.
+
+All LeanTiles are laid end to end in (sequence, head unit, context) order. A head unit is one KV
+head and one block of its query rows (more than one block only for groups larger than the kernel's
+row block). Sequence ``b`` holds ``HU * cdiv(len_b, TILE_N)`` tiles. With ``n_active`` programs,
+program ``p`` owns tiles ``[start(p), start(p + 1))`` where ``start(p) = p * base + min(p, rem)``,
+``base, rem = divmod(total, n_active)``: equal loads, ±1 tile.
+
+These ``@triton.jit`` helpers are the only implementation of the schedule: the attention kernel
+calls them, and ``lean_schedule_kernel`` below writes their results out so that tests and the
+schedule simulator use the very same code.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def _total_tiles(seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Total LeanTiles of the batch: HU * sum_b cdiv(len_b, TILE_N)."""
+    total = 0
+    for b0 in range(0, B, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        b_len = tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0)
+        total += tl.sum(_cdiv(b_len, TILE_N), axis=0)
+    return total * HU
+
+
+@triton.jit
+def _num_active(total, num_programs, MIN_TILES: tl.constexpr):
+    """Shrink the grid so every active program has at least MIN_TILES tiles (never below 1)."""
+    return tl.maximum(tl.minimum(num_programs, total // MIN_TILES), 1)
+
+
+@triton.jit
+def _program_start(p, total, n_active):
+    """First tile of program p; ``_program_start(n_active, ...) == total``."""
+    base = total // n_active
+    rem = total % n_active
+    return p * base + tl.minimum(p, rem)
+
+
+@triton.jit
+def _program_of_tile(t, total, n_active):
+    """The program whose range holds tile t (inverse of ``_program_start``)."""
+    base = total // n_active
+    rem = total % n_active
+    big = rem * (base + 1)
+    return tl.where(t < big, t // (base + 1), rem + (t - big) // tl.maximum(base, 1))
+
+
+@triton.jit
+def _locate(t, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Place tile t: returns (sequence b, tile offset inside b's range, tiles per head unit of b).
+
+    b is the number of sequences whose inclusive cumulative tile count is <= t, which skips
+    zero-length sequences; the exclusive cumulative count of b is the largest such count.
+    """
+    b = 0
+    b_start = 0
+    running = 0
+    for b0 in range(0, B, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        b_len = tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0)
+        b_cnt = _cdiv(b_len, TILE_N) * HU
+        b_cum = running + tl.cumsum(b_cnt, axis=0)
+        m_before = (b_cum <= t) & (o_b < B)
+        b += tl.sum(m_before.to(tl.int32), axis=0)
+        b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum, 0), axis=0))
+        running += tl.sum(b_cnt, axis=0)
+    seq_len = tl.load(seqlens_ptr + b)
+    return b, t - b_start, _cdiv(seq_len, TILE_N)
+
+
+@triton.jit
+def lean_schedule_kernel(
+    seqlens_ptr,  # (B,) int32
+    seg_ptr,  # (num_programs, MAX_SEGS, 5) int32 out: b, head unit, first tile, n tiles, contributors
+    nseg_ptr,  # (num_programs,) int32 out: segments of each program (-1 when inactive)
+    B,
+    HU,
+    num_programs,
+    TILE_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    MAX_SEGS: tl.constexpr,
+):
+    """Write out every program's segments exactly as the attention kernel walks them."""
+    pid = tl.program_id(0)
+    total = _total_tiles(seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+    n_active = _num_active(total, num_programs, MIN_TILES)
+    t0 = _program_start(pid, total, n_active)
+    t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
+    t = t0
+    n = 0
+    while t < t1:
+        b, local, n_tiles = _locate(t, seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+        tile = local % n_tiles
+        out_start = t - tile
+        seg_end = tl.minimum(t1, out_start + n_tiles)
+        n_contrib = (
+            _program_of_tile(out_start + n_tiles - 1, total, n_active)
+            - _program_of_tile(out_start, total, n_active)
+            + 1
+        )
+        p_seg = seg_ptr + (pid * MAX_SEGS + n) * 5
+        m_room = n < MAX_SEGS
+        tl.store(p_seg + 0, b, mask=m_room)
+        tl.store(p_seg + 1, local // n_tiles, mask=m_room)
+        tl.store(p_seg + 2, tile, mask=m_room)
+        tl.store(p_seg + 3, seg_end - t, mask=m_room)
+        tl.store(p_seg + 4, n_contrib, mask=m_room)
+        n += 1
+        t = seg_end
+    tl.store(nseg_ptr + pid, tl.where(pid < n_active, n, -1))

@@ -1,0 +1,107 @@
+"""The one table of tuning constants for the decode kernel, each with the reason it holds.
+
+A configuration is chosen by (architecture, head_dim, element size). ``arch`` is ``"sm80"`` for
+Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
+nothing is timed and only correctness matters.
+
+None of the GPU values below has been swept on a GPU by this project yet: they start from the
+LeanAttention paper's findings (A100, fp16) and from register/shared-memory arithmetic. A sweep on
+a GPU replaces the reasons with measured ones (see docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch settings of ``decode_attention_fwd_kernel`` for one (arch, head_dim, dtype size)."""
+
+    tile_n: int  # T_n: tokens in one LeanTile, the unit of stream-K work
+    block_n: int  # keys loaded per inner iteration; divides tile_n
+    max_block_g: int  # most query rows (one GQA group, padded) computed together
+    num_warps: int
+    num_stages: int
+    max_programs_per_sm: int  # cap on the occupancy-derived programs per SM
+    reason: str
+
+    def __post_init__(self) -> None:
+        for name in ("tile_n", "block_n", "max_block_g"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
+        if self.tile_n % self.block_n:
+            raise ValueError(
+                f"DecodeConfig.tile_n: expected a multiple of block_n={self.block_n}, got {self.tile_n}"
+            )
+
+
+# Each active program is given at least this many LeanTiles when the problem is small, so the grid
+# shrinks instead of paying a merge for every tile (the paper: reduction overhead grows with splits).
+MIN_TILES_PER_PROGRAM = 2
+
+# The interpreter runs programs one after another; a handful of programs still exercises every
+# straddling case the tests need, and keeps CPU test time down.
+INTERPRETER_PROGRAMS = 4
+
+# Sequences scanned per step of the on-device cumulative-tile search. Fixed (not derived from the
+# batch size) so that a new batch size never recompiles; 128 covers typical decode batches in one step.
+SCHEDULE_BLOCK_B = 128
+
+_PAPER_D64 = "LeanAttention paper: 256-token LeanTiles best for D=64 (fp16, A100)"
+_PAPER_D128 = "LeanAttention paper: 128-token LeanTiles best for D=128 (fp16, A100)"
+_D256 = "D=256 doubles bytes per token over D=128; halving the tile keeps bytes per tile equal"
+
+TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
+    # 16-bit caches (fp16, bf16): 2 bytes per element.
+    ("sm80", 64, 2): DecodeConfig(256, 64, 64, 4, 2, 2, _PAPER_D64),
+    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 2, _PAPER_D128),
+    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256),
+    ("sm90", 64, 2): DecodeConfig(256, 64, 64, 4, 3, 2, _PAPER_D64 + "; 3 stages: H100 has 228 KB smem/SM"),
+    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 2, _PAPER_D128 + "; 3 stages: H100 has 228 KB smem/SM"),
+    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256),
+    # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
+    ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=64 entry"),
+    ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=128 entry"),
+    ("sm80", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 2, "fp32: same bytes per tile as the fp16 D=256 entry"),
+    ("sm90", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=64 entry"),
+    ("sm90", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=128 entry"),
+    ("sm90", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 2, "fp32: same bytes per tile as the fp16 D=256 entry"),
+    # Interpreter: tile sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths mean the same thing.
+    ("interp", 64, 2): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
+    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
+    ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
+    ("interp", 64, 4): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
+    ("interp", 128, 4): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
+    ("interp", 256, 4): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
+}
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def arch_of(device: torch.device) -> str:
+    """Tuning-table architecture key of ``device``."""
+    if device.type != "cuda":
+        return "interp"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def get_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The tuning-table entry for a problem; raises ``ValueError`` for an unsupported head_dim."""
+    key = (arch_of(device), head_dim, dtype.itemsize)
+    if key not in TUNING_TABLE:
+        raise ValueError(
+            f"head_dim: expected one of {SUPPORTED_HEAD_DIMS} with fp16, bf16 or fp32 for the Triton "
+            f"backend, got head_dim={head_dim}, dtype={dtype}"
+        )
+    return TUNING_TABLE[key]
+
+
+def block_g_for(group: int, config: DecodeConfig) -> int:
+    """Query rows computed together: the GQA group padded to a power of two >= 16 for ``tl.dot``."""
+    padded = max(16, 1 << (group - 1).bit_length())
+    return min(padded, config.max_block_g)
