@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from lean_tp.ops.decode_attention.checks import check_inputs
+from lean_tp.ops.decode_attention.checks import check_inputs, check_types
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
@@ -93,8 +93,9 @@ def decode_attention(
     Returns:
         out (B, Hq, D) in q's dtype, or (out, lse) when ``return_lse``.
     """
+    check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5 if isinstance(q, torch.Tensor) else 1.0
+        softmax_scale = q.shape[-1] ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
     out, lse = torch.ops.lean_tp.decode_attention(

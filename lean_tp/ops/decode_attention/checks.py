@@ -31,6 +31,13 @@ def _check_int32(name: str, x: torch.Tensor, device: torch.device) -> None:
     _expect(x.device == device, ValueError, f"{name}: expected a tensor on {device} (q's device), got {x.device}")
 
 
+def check_types(**tensors: object) -> None:
+    """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
+    for name, x in tensors.items():
+        if x is not None or name != "block_table":
+            _expect(isinstance(x, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
 def check_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -122,6 +122,17 @@ def grid_size(device: torch.device, dtype: torch.dtype, head_dim: int, group: in
     return sms * per_sm
 
 
+def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of two segments per program: acc (G, 2, BLOCK_G, D) and (m, l) (G, 2, 2, BLOCK_G), fp32.
+
+    Its size depends on the grid alone, never on lengths: a program contributes partials to at
+    most two outputs, the one its range starts in and the one it ends in.
+    """
+    ws_acc = torch.empty(num_programs, 2, block_g, head_dim, device=device, dtype=torch.float32)
+    ws_ml = torch.empty(num_programs, 2, 2, block_g, device=device, dtype=torch.float32)
+    return ws_acc, ws_ml
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,6 +144,9 @@ def decode_attention_fwd(
     num_programs: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     launch: Callable[[Any], Any] = lambda kernel: kernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the LeanAttention decode kernel on validated inputs.
@@ -148,6 +162,9 @@ def decode_attention_fwd(
         config: tuning override; default the tuning-table entry.
         counters: (>= B * Hkv * NUM_GC,) int32 zeros, reused across launches (the kernel leaves
             them at zero); default a fresh zeroed buffer.
+        out, lse: preallocated results (tests pass NaN-filled ones to catch unwritten elements).
+        workspace: preallocated ``alloc_workspace`` buffers; their contents are never read before
+            they are written.
         launch: wraps the kernel before launch (``torch.library.wrap_triton`` under the op).
 
     Returns:
@@ -164,10 +181,11 @@ def decode_attention_fwd(
     block_g, num_gc = constexprs["BLOCK_G"], constexprs["NUM_GC"]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
-    ws_acc = torch.empty(num_programs, 2, block_g, head_dim, device=q.device, dtype=torch.float32)
-    ws_ml = torch.empty(num_programs, 2, 2, block_g, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
+    ws_acc, ws_ml = workspace or alloc_workspace(num_programs, block_g, head_dim, q.device)
     if counters is None:
         counters = torch.zeros(batch * num_kv_heads * num_gc, device=q.device, dtype=torch.int32)
     # Contiguous (B, Hkv, S, D): b, token, head strides. Paged (pages, page, Hkv, D): page, token, head.
@@ -183,3 +201,33 @@ def decode_attention_fwd(
         num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
     )  # fmt: skip
     return out, lse
+
+
+def lean_schedule(
+    cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int = 64
+) -> list[list[tuple[int, int, int, int, int]]]:
+    """The kernel's stream-K schedule, computed by the kernel's own schedule code.
+
+    Args:
+        cache_seqlens: (B,) int32, on CUDA or on CPU under the Triton interpreter.
+        head_units: KV heads x row blocks per KV head (``Hkv * NUM_GC``).
+        tile_n: LeanTile size in tokens; num_programs: launched grid size.
+
+    Returns:
+        One list per active program of segments ``(b, head_unit, first_tile, n_tiles, contributors)``,
+        where contributors counts the programs that share that output. Inactive programs are omitted.
+    """
+    from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
+
+    device = cache_seqlens.device
+    segs = torch.full((num_programs, max_segments, 5), -1, dtype=torch.int32, device=device)
+    nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
+    lean_schedule_kernel[(num_programs,)](
+        cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs,
+        TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=max_segments,
+    )  # fmt: skip
+    counts = nseg.tolist()
+    if max(counts) > max_segments:
+        raise ValueError(f"max_segments: expected at least {max(counts)} (the most any program has), got {max_segments}")
+    rows = segs.tolist()
+    return [[tuple(s) for s in rows[p][:n]] for p, n in enumerate(counts) if n >= 0]

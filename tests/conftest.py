@@ -1,0 +1,15 @@
+"""Test setup: kernels run through the Triton interpreter unless a CUDA device is present.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs, i.e. before lean_tp is
+imported, which is why it happens here at collection time.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".inductor-cache"))
+sys.path.insert(0, os.path.dirname(__file__))

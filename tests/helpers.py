@@ -1,0 +1,65 @@
+"""Input builders shared by the decode-attention tests: fresh random data, every cache layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LAYOUTS = ("contiguous", "transposed", "paged16", "paged64")
+
+
+def make_inputs(
+    lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layout: str = "contiguous",
+    device: str = "cpu",
+    capacity: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """q, k_cache, v_cache, cache_seqlens and block_table for a ragged batch.
+
+    "transposed" stores the cache as (B, S, Hkv, D) and views it as (B, Hkv, S, D); "pagedN" scatters
+    each sequence over randomly permuted pages of N tokens, and fills unused block-table entries
+    with an out-of-range index so that reading one would fail.
+    """
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lens)
+    capacity = capacity or max(max(lens), 1) + 7
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    q = rand(batch, num_q_heads, head_dim)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    block_table = None
+    if layout == "contiguous":
+        k, v = rand(batch, num_kv_heads, capacity, head_dim), rand(batch, num_kv_heads, capacity, head_dim)
+    elif layout == "transposed":
+        k = rand(batch, capacity, num_kv_heads, head_dim).transpose(1, 2)
+        v = rand(batch, capacity, num_kv_heads, head_dim).transpose(1, 2)
+    else:
+        page_size = int(layout.removeprefix("paged"))
+        pages_per_seq = math.ceil(capacity / page_size)
+        num_pages = batch * pages_per_seq + 3
+        k, v = rand(num_pages, page_size, num_kv_heads, head_dim), rand(num_pages, page_size, num_kv_heads, head_dim)
+        perm = torch.randperm(num_pages, generator=g)[: batch * pages_per_seq].view(batch, pages_per_seq)
+        used = torch.arange(pages_per_seq) * page_size < seqlens[:, None]
+        block_table = torch.where(used, perm, torch.full_like(perm, 1 << 30)).to(torch.int32)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return dict(q=to(q), k_cache=to(k), v_cache=to(v), cache_seqlens=to(seqlens), block_table=to(block_table))
+
+
+def assert_matches_ref(out: torch.Tensor, lse: torch.Tensor, inputs: dict, atol: float, rtol: float = 0.0) -> None:
+    """Compare against the float64 reference; empty sequences must give exactly 0 and -inf."""
+    from lean_tp.ops.decode_attention import decode_attention_ref
+
+    ref_out, ref_lse = decode_attention_ref(**{k: (v.cpu() if v is not None else None) for k, v in inputs.items()})
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert not out.isnan().any(), "out has NaN (an unwritten or poisoned element)"
+    assert not lse.isnan().any(), "lse has NaN (an unwritten or poisoned element)"
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
+    empty = inputs["cache_seqlens"].cpu() == 0
+    assert (out[empty] == 0).all()
+    assert torch.isneginf(lse[empty]).all()
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=atol, rtol=rtol)

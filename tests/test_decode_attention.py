@@ -1,0 +1,116 @@
+"""The Triton kernel (through the interpreter on CPU) against the float64 reference.
+
+Outputs, LSE and the merge workspace are NaN-filled before every launch, so an unwritten output
+element, or a merge that reads a slot nobody wrote, fails the comparison.
+"""
+
+import zlib
+
+import pytest
+import torch
+from helpers import LAYOUTS, assert_matches_ref, make_inputs
+
+import lean_tp
+from lean_tp.ops.decode_attention.launcher import alloc_workspace, decode_attention_fwd, kernel_constexprs
+from lean_tp.ops.library import interpreter_enabled
+from lean_tp.ops.tuning import DecodeConfig, get_config
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not interpreter_enabled(), reason="interpreter tests; CUDA runs tests/gpu"
+)
+
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+HEADS = [(4, 4), (8, 2), (16, 2), (8, 1)]  # group sizes 1, 4, 8, and MQA
+
+
+def tile_of(head_dim: int, dtype: torch.dtype) -> int:
+    return get_config(torch.device("cpu"), head_dim, dtype).tile_n
+
+
+def length_sets(tile: int) -> dict[str, list[int]]:
+    return {
+        "edges": [1, tile - 1, tile, tile + 1],
+        "empty": [0, tile + 1],
+        "ragged": [2000, 3, 0, 2 * tile + 1],
+        "single": [tile],
+    }
+
+
+def run_kernel(inputs: dict, num_programs: int | None = None, config: DecodeConfig | None = None, counters=None):
+    """Launch with NaN-filled out, lse and workspace; returns (out, lse)."""
+    q, k = inputs["q"], inputs["k_cache"]
+    paged = inputs["block_table"] is not None
+    num_kv_heads = k.shape[2] if paged else k.shape[1]
+    config = config or get_config(q.device, q.shape[-1], q.dtype)
+    cx = kernel_constexprs(config, q.shape[-1], q.shape[1] // num_kv_heads, q.dtype, k.shape[1] if paged else None)
+    num_programs = num_programs or 4
+    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], q.device))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    return decode_attention_fwd(
+        **inputs, softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, config=config,
+        counters=counters, out=out, lse=lse, workspace=workspace,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lens_name", ["edges", "empty", "ragged", "single"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_attention_triton(dtype, head_dim, hq, hkv, layout, lens_name):
+    lens = length_sets(tile_of(head_dim, dtype))[lens_name]
+    inputs = make_inputs(lens, hq, hkv, head_dim, dtype, layout, seed=zlib.crc32(f"{head_dim}{hq}{layout}{lens_name}".encode()))
+    out, lse = run_kernel(inputs)
+    assert_matches_ref(out, lse, inputs, atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("num_programs", [1, 2, 3, 5, 7, 64])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_decode_attention_triton_grids(num_programs, layout):
+    """Tiny grids make programs straddle heads and sequences; a huge one makes the grid shrink."""
+    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: small tiles give many tiles on short sequences")
+    inputs = make_inputs([97, 0, 32, 1, 65, 200], 8, 2, 64, torch.float32, layout, seed=num_programs)
+    out, lse = run_kernel(inputs, num_programs=num_programs, config=config)
+    assert_matches_ref(out, lse, inputs, atol=2e-5)
+
+
+def test_decode_attention_triton_split_everywhere():
+    """Every output split over several programs, with uneven (+-1 tile) program loads."""
+    config = DecodeConfig(16, 16, 16, 4, 1, 1, "test: one 16-token tile per block")
+    inputs = make_inputs([257, 190], 4, 2, 64, torch.float16, "transposed", seed=3)
+    total_tiles = 2 * (17 + 12)
+    out, lse = run_kernel(inputs, num_programs=total_tiles // 2 - 3, config=config)
+    assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
+
+
+def test_decode_attention_triton_large_group_chunks():
+    """A group larger than the row block is computed as several head units (NUM_GC > 1)."""
+    config = DecodeConfig(64, 32, 16, 4, 1, 1, "test: 16-row blocks force 2 chunks of a group of 24")
+    inputs = make_inputs([150, 40, 0], 48, 2, 64, torch.float32, "paged16", seed=11)
+    out, lse = run_kernel(inputs, num_programs=3, config=config)
+    assert_matches_ref(out, lse, inputs, atol=2e-5)
+
+
+def test_decode_attention_triton_counters_reset_and_deterministic():
+    """The kernel leaves its counters at zero, so a reused buffer gives identical results."""
+    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: many split outputs")
+    inputs = make_inputs([300, 77, 129], 8, 2, 64, torch.float32, "contiguous", seed=5)
+    counters = torch.zeros(3 * 2, dtype=torch.int32)
+    first = run_kernel(inputs, num_programs=5, config=config, counters=counters)
+    assert (counters == 0).all()
+    second = run_kernel(inputs, num_programs=5, config=config, counters=counters)
+    assert (counters == 0).all()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert_matches_ref(*first, inputs, atol=2e-5)
+
+
+def test_decode_attention_public_api_triton_backend():
+    """The registered op's Triton path, with default scale and explicit scale."""
+    inputs = make_inputs([130, 0, 5], 8, 2, 128, torch.float16, "paged16", seed=7)
+    out, lse = lean_tp.decode_attention(**inputs, backend="triton", return_lse=True)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
+    scaled = lean_tp.decode_attention(**inputs, softmax_scale=0.3, backend="triton")
+    expected = lean_tp.decode_attention(**inputs, softmax_scale=0.3, backend="torch")
+    torch.testing.assert_close(scaled, expected, atol=2e-3, rtol=0)

@@ -1,0 +1,92 @@
+"""Malformed calls raise ValueError/TypeError that name the argument and say what was expected."""
+
+import pytest
+import torch
+from helpers import make_inputs
+
+import lean_tp
+
+
+def _base(layout="contiguous"):
+    return make_inputs([5, 9], 8, 2, 64, torch.float16, layout, seed=0)
+
+
+def _edit(layout="contiguous", **changes):
+    inputs = _base(layout)
+    for key, fn in changes.items():
+        inputs[key] = fn(inputs)
+    return inputs
+
+
+CASES = {
+    "q-ndim": (lambda: _edit(q=lambda i: i["q"][0]), ValueError, "q"),
+    "q-not-tensor": (lambda: _edit(q=lambda i: i["q"].tolist()), TypeError, "q"),
+    "q-int-dtype": (lambda: _edit(q=lambda i: i["q"].to(torch.int32)), TypeError, "q"),
+    "k-ndim": (lambda: _edit(k_cache=lambda i: i["k_cache"][0]), ValueError, "k_cache"),
+    "kv-shape-mismatch": (lambda: _edit(v_cache=lambda i: i["v_cache"][:, :, :-1]), ValueError, "v_cache"),
+    "kv-head-dim": (lambda: _edit(k_cache=lambda i: i["k_cache"][..., :32], v_cache=lambda i: i["v_cache"][..., :32]), ValueError, "k_cache"),
+    "hq-not-multiple": (lambda: _edit(q=lambda i: i["q"][:, :7]), ValueError, "Hq"),
+    "dtype-mismatch": (lambda: _edit(k_cache=lambda i: i["k_cache"].float()), TypeError, "k_cache"),
+    "cache-batch": (lambda: _edit(k_cache=lambda i: i["k_cache"][:1], v_cache=lambda i: i["v_cache"][:1]), ValueError, "k_cache"),
+    "cache-last-stride": (lambda: _edit(k_cache=lambda i: i["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "stride"),
+    "seqlens-int64": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"].long()), TypeError, "cache_seqlens"),
+    "seqlens-shape": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"][:1]), ValueError, "cache_seqlens"),
+    "seqlens-device": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"].to("meta")), ValueError, "cache_seqlens"),
+    "block-table-int64": (lambda: _edit("paged16", block_table=lambda i: i["block_table"].long()), TypeError, "block_table"),
+    "block-table-rows": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][:1]), ValueError, "block_table"),
+    "block-table-ndim": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][0]), ValueError, "block_table"),
+    "page-size-not-pow2": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :12], v_cache=lambda i: i["v_cache"][:, :12]), ValueError, "page size"),
+    "page-size-8": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :8], v_cache=lambda i: i["v_cache"][:, :8]), ValueError, "page size"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_raises_named_error(case):
+    make, exc, needle = CASES[case]
+    with pytest.raises(exc, match="expected") as info:
+        lean_tp.decode_attention(**make())
+    assert needle in str(info.value)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        lean_tp.decode_attention(**_base(), backend="cuda")
+
+
+def test_bad_softmax_scale():
+    with pytest.raises(TypeError, match="softmax_scale: expected a float"):
+        lean_tp.decode_attention(**_base(), softmax_scale="0.1")
+
+
+def test_unsupported_head_dim_for_triton():
+    inputs = make_inputs([5], 4, 2, 80, torch.float16, seed=0)
+    with pytest.raises(ValueError, match="head_dim: expected one of"):
+        lean_tp.decode_attention(**inputs, backend="triton")
+    lean_tp.decode_attention(**inputs, backend="torch")  # the torch backend takes any head_dim
+
+
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    from lean_tp.ops import library
+
+    monkeypatch.setattr(library, "interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        lean_tp.decode_attention(**_base(), backend="triton")
+
+
+@pytest.mark.parametrize("lens,layout", [([5, 100], "contiguous"), ([-1, 3], "contiguous"), ([5, 40], "paged16")])
+def test_debug_checks_lengths(monkeypatch, lens, layout):
+    inputs = _base(layout)
+    inputs["cache_seqlens"] = torch.tensor(lens, dtype=torch.int32)
+    monkeypatch.setenv("LEAN_TP_DEBUG", "1")
+    with pytest.raises(ValueError, match="cache_seqlens: expected values in"):
+        lean_tp.decode_attention(**inputs)
+
+
+def test_debug_checks_block_table(monkeypatch):
+    inputs = _base("paged16")
+    inputs["block_table"][1, 0] = 10**6
+    monkeypatch.setenv("LEAN_TP_DEBUG", "1")
+    with pytest.raises(ValueError, match="block_table: expected page indices"):
+        lean_tp.decode_attention(**inputs)
+    monkeypatch.delenv("LEAN_TP_DEBUG")
+    lean_tp.decode_attention(**inputs)  # without the debug flag nothing reads the values
