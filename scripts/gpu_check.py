@@ -1,0 +1,74 @@
+"""The project's GPU check: CUDA tests, compute-sanitizer, a short benchmark, one summary table.
+
+Run it whenever a CUDA GPU is available and record the table in docs/BENCHMARKS.md:
+
+    python scripts/gpu_check.py [--out DIR] [--skip-bench]
+
+Results (logs, JUnit XML, benchmark CSV) go to DIR (default: $OUT or ./out/gpu_check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(name: str, cmd: list[str], out_dir: str, timeout: int) -> tuple[str, str, float]:
+    """Run one step, log it to out_dir/name.log, and return (name, status, seconds)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+    start = time.time()
+    with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            status = "PASS" if rc == 0 else f"FAIL (rc={rc})"
+        except subprocess.TimeoutExpired:
+            status = f"TIMEOUT ({timeout}s)"
+    seconds = time.time() - start
+    print(f"{name:<28} {status:<16} {seconds:7.1f}s", flush=True)
+    return name, status, seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
+        return 2
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton {triton.__version__}")
+    py = sys.executable
+    steps = [
+        run("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", f"--junitxml={args.out}/gpu.xml"], args.out, 900),
+    ]
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    case = [py, "scripts/sanitizer_case.py"]
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        if os.path.exists(sanitizer):
+            steps.append(run(f"compute-sanitizer {tool}", [sanitizer, "--tool", tool, "--error-exitcode", "1", *case], args.out, 600))
+        else:
+            print(f"compute-sanitizer {tool:<10} NOT FOUND")
+            steps.append((f"compute-sanitizer {tool}", "NOT FOUND", 0.0))
+    if not args.skip_bench:
+        steps.append(run("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", args.out], args.out, 900))
+    print("\n| step | status | seconds |\n|---|---|---|")
+    for name, status, seconds in steps:
+        print(f"| {name} | {status} | {seconds:.1f} |")
+    csv_path = os.path.join(args.out, "bench_decode.csv")
+    if os.path.exists(csv_path):
+        print("\n" + open(csv_path).read())
+    return 0 if all(s == "PASS" for _, s, _ in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
