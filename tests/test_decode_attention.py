@@ -11,7 +11,7 @@ import torch
 from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
-from lean_tp.ops.decode_attention.launcher import alloc_workspace, decode_attention_fwd, kernel_constexprs
+from lean_tp.ops.decode_attention.launcher import alloc_workspace, decode_attention_fwd, grid_size, kernel_constexprs
 from lean_tp.ops.library import interpreter_enabled
 from lean_tp.ops.tuning import DecodeConfig, get_config
 
@@ -43,7 +43,7 @@ def run_kernel(inputs: dict, num_programs: int | None = None, config: DecodeConf
     num_kv_heads = k.shape[2] if paged else k.shape[1]
     config = config or get_config(q.device, q.shape[-1], q.dtype)
     cx = kernel_constexprs(config, q.shape[-1], q.shape[1] // num_kv_heads, q.dtype, k.shape[1] if paged else None)
-    num_programs = num_programs or 4
+    num_programs = num_programs or grid_size(q.device, q.dtype, q.shape[-1], q.shape[1] // num_kv_heads)
     workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], q.device))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))

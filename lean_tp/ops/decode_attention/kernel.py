@@ -20,12 +20,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _kv_rows(bt_ptr, b, o_n, m_n, stride_kb, stride_kn, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Element offsets (int64) of tokens o_n of sequence b, for a contiguous or a paged cache."""
+def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(row, position in row) of tokens o_n of sequence b: (b, token) or, when paged, (page, slot)."""
     if PAGED:
         o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + o_n // PAGE_SIZE, mask=m_n, other=0)
-        return tl.cast(o_page, tl.int64) * stride_kb + (o_n % PAGE_SIZE).to(tl.int64) * stride_kn
-    return tl.cast(b, tl.int64) * stride_kb + tl.cast(o_n, tl.int64) * stride_kn
+        return tl.cast(o_page, tl.int64), tl.cast(o_n % PAGE_SIZE, tl.int64)
+    return tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
 
 
 @triton.jit
@@ -46,10 +46,10 @@ def _attend(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        o_k = _kv_rows(bt_ptr, b, o_n, m_n, stride_kb, stride_kn, stride_bt, PAGED, PAGE_SIZE)
-        o_v = _kv_rows(bt_ptr, b, o_n, m_n, stride_vb, stride_vn, stride_bt, PAGED, PAGE_SIZE)
-        p_k = k_ptr + (o_k + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
-        p_v = v_ptr + (o_v + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
+        # The page lookup is shared by K and V; their strides may differ.
+        o_row, o_pos = _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
+        p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
+        p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
