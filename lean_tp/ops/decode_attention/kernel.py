@@ -22,10 +22,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """(row, position in row) of tokens o_n of sequence b: (b, token) or, when paged, (page, slot)."""
+    # One return: the two branches give different types (tensor vs scalar row); a constexpr if
+    # generates only the taken one, but separate returns must agree in type.
     if PAGED:
         o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + o_n // PAGE_SIZE, mask=m_n, other=0)
-        return tl.cast(o_page, tl.int64), tl.cast(o_n % PAGE_SIZE, tl.int64)
-    return tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
+        o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n % PAGE_SIZE, tl.int64)
+    else:
+        o_row, o_pos = tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
+    return o_row, o_pos
 
 
 @triton.jit
