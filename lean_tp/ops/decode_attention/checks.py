@@ -15,27 +15,27 @@ BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _expect(ok: bool, exc: type[Exception], message: str) -> None:
-    if not ok:
-        raise exc(message)
-
-
 def _check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
-    _expect(isinstance(x, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not (isinstance(x, torch.Tensor)):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     assert isinstance(x, torch.Tensor)
-    _expect(x.dim() == ndim, ValueError, f"{name}: expected {ndim} dims {layout}, got shape {tuple(x.shape)}")
+    if not (x.dim() == ndim):
+        raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(x.shape)}")
 
 
 def _check_int32(name: str, x: torch.Tensor, device: torch.device) -> None:
-    _expect(x.dtype == torch.int32, TypeError, f"{name}: expected dtype torch.int32, got {x.dtype}")
-    _expect(x.device == device, ValueError, f"{name}: expected a tensor on {device} (q's device), got {x.device}")
+    if not (x.dtype == torch.int32):
+        raise TypeError(f"{name}: expected dtype torch.int32, got {x.dtype}")
+    if not (x.device == device):
+        raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {x.device}")
 
 
 def check_types(**tensors: object) -> None:
     """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
     for name, x in tensors.items():
         if x is not None or name != "block_table":
-            _expect(isinstance(x, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if not (isinstance(x, torch.Tensor)):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
 
 
 def check_inputs(
@@ -47,27 +47,36 @@ def check_inputs(
     backend: str,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call."""
-    _expect(isinstance(backend, str) and backend in BACKENDS, ValueError, f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if not (isinstance(backend, str) and backend in BACKENDS):
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _check_tensor("q", q, 3, "(B, Hq, D)")
-    _expect(q.dtype in DTYPES, TypeError, f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
+    if not (q.dtype in DTYPES):
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
     paged = block_table is not None
     layout = "(num_pages, page_size, Hkv, D) with block_table" if paged else "(B, Hkv, S_max, D)"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, cache, 4, layout)
-        _expect(cache.dtype == q.dtype, TypeError, f"{name}: expected dtype {q.dtype} (q's dtype), got {cache.dtype}")
-        _expect(cache.device == q.device, ValueError, f"{name}: expected a tensor on {q.device} (q's device), got {cache.device}")
-        _expect(cache.stride(-1) == 1, ValueError, f"{name}: expected stride(-1) == 1, got strides {cache.stride()}")
-        _expect(cache.shape[-1] == head_dim, ValueError, f"{name}: expected head_dim {head_dim} (q's last dim), got shape {tuple(cache.shape)}")
-    _expect(v_cache.shape == k_cache.shape, ValueError, f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        if not (cache.dtype == q.dtype):
+            raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {cache.dtype}")
+        if not (cache.device == q.device):
+            raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {cache.device}")
+        if not (cache.stride(-1) == 1):
+            raise ValueError(f"{name}: expected stride(-1) == 1, got strides {cache.stride()}")
+        if not (cache.shape[-1] == head_dim):
+            raise ValueError(f"{name}: expected head_dim {head_dim} (q's last dim), got shape {tuple(cache.shape)}")
+    if not (v_cache.shape == k_cache.shape):
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     num_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
-    _expect(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0, ValueError,
-            f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}")  # fmt: skip
+    if not (num_kv_heads > 0 and num_q_heads % num_kv_heads == 0):
+        raise ValueError(f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}")
     if not paged:
-        _expect(k_cache.shape[0] == batch, ValueError, f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}")
+        if not (k_cache.shape[0] == batch):
+            raise ValueError(f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}")
     _check_tensor("cache_seqlens", cache_seqlens, 1, "(B,)")
     _check_int32("cache_seqlens", cache_seqlens, q.device)
-    _expect(cache_seqlens.shape[0] == batch, ValueError, f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    if not (cache_seqlens.shape[0] == batch):
+        raise ValueError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
     if paged:
         _check_paged(block_table, k_cache, batch, q.device)
     if os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
@@ -78,11 +87,11 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
     _check_tensor("block_table", block_table, 2, "(B, max_pages_per_seq)")
     assert isinstance(block_table, torch.Tensor)
     _check_int32("block_table", block_table, device)
-    _expect(block_table.shape[0] == batch, ValueError,
-            f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")  # fmt: skip
+    if not (block_table.shape[0] == batch):
+        raise ValueError(f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")
     page_size = k_cache.shape[1]
-    _expect(page_size >= 16 and page_size & (page_size - 1) == 0, ValueError,
-            f"k_cache: expected a page size (dim 1) that is a power of two >= 16, got {page_size}")  # fmt: skip
+    if not (page_size >= 16 and page_size & (page_size - 1) == 0):
+        raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two >= 16, got {page_size}")
 
 
 def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -94,11 +103,12 @@ def _check_values(k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_tabl
     """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device."""
     cap = capacity(k_cache, block_table)
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
-    _expect(lo >= 0 and hi <= cap, ValueError, f"cache_seqlens: expected values in [0, {cap}] (the cache capacity), got min {lo}, max {hi}")
+    if not (lo >= 0 and hi <= cap):
+        raise ValueError(f"cache_seqlens: expected values in [0, {cap}] (the cache capacity), got min {lo}, max {hi}")
     if block_table is not None and block_table.numel():
         page_size = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < cache_seqlens[:, None]
         pages = block_table[used]
         bad = pages[(pages < 0) | (pages >= k_cache.shape[0])]
-        _expect(bad.numel() == 0, ValueError,
-                f"block_table: expected page indices in [0, {k_cache.shape[0]}) for used pages, got {bad[:4].tolist()}")  # fmt: skip
+        if not (bad.numel() == 0):
+            raise ValueError(f"block_table: expected page indices in [0, {k_cache.shape[0]}) for used pages, got {bad[:4].tolist()}")
