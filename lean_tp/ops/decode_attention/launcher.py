@@ -174,10 +174,11 @@ def decode_attention_fwd(
     paged = block_table is not None
     num_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
     group = num_q_heads // num_kv_heads
+    page_size = k_cache.shape[1] if paged else None
     config = config or get_config(q.device, head_dim, k_cache.dtype)
-    constexprs = kernel_constexprs(config, head_dim, group, k_cache.dtype, k_cache.shape[1] if paged else None)
+    constexprs = kernel_constexprs(config, head_dim, group, k_cache.dtype, page_size)
     if num_programs is None:
-        num_programs = grid_size(q.device, k_cache.dtype, head_dim, group, constexprs["PAGE_SIZE"] if paged else None)
+        num_programs = grid_size(q.device, k_cache.dtype, head_dim, group, page_size)
     block_g, num_gc = constexprs["BLOCK_G"], constexprs["NUM_GC"]
     if q.stride(-1) != 1:
         q = q.contiguous()
