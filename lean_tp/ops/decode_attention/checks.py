@@ -15,18 +15,22 @@ BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
-    if not (isinstance(x, torch.Tensor)):
+def _require_tensor(name: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
+    _require_tensor(name, x)
     assert isinstance(x, torch.Tensor)
-    if not (x.dim() == ndim):
+    if x.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(x.shape)}")
 
 
 def _check_int32(name: str, x: torch.Tensor, device: torch.device) -> None:
-    if not (x.dtype == torch.int32):
+    if x.dtype != torch.int32:
         raise TypeError(f"{name}: expected dtype torch.int32, got {x.dtype}")
-    if not (x.device == device):
+    if x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {x.device}")
 
 
@@ -34,8 +38,7 @@ def check_types(**tensors: object) -> None:
     """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
     for name, x in tensors.items():
         if x is not None or name != "block_table":
-            if not (isinstance(x, torch.Tensor)):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            _require_tensor(name, x)
 
 
 def check_inputs(
@@ -50,32 +53,31 @@ def check_inputs(
     if not (isinstance(backend, str) and backend in BACKENDS):
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _check_tensor("q", q, 3, "(B, Hq, D)")
-    if not (q.dtype in DTYPES):
+    if q.dtype not in DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
     paged = block_table is not None
     layout = "(num_pages, page_size, Hkv, D) with block_table" if paged else "(B, Hkv, S_max, D)"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, cache, 4, layout)
-        if not (cache.dtype == q.dtype):
+        if cache.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {cache.dtype}")
-        if not (cache.device == q.device):
+        if cache.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {cache.device}")
-        if not (cache.stride(-1) == 1):
+        if cache.stride(-1) != 1:
             raise ValueError(f"{name}: expected stride(-1) == 1, got strides {cache.stride()}")
-        if not (cache.shape[-1] == head_dim):
+        if cache.shape[-1] != head_dim:
             raise ValueError(f"{name}: expected head_dim {head_dim} (q's last dim), got shape {tuple(cache.shape)}")
-    if not (v_cache.shape == k_cache.shape):
+    if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     num_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
-    if not (num_kv_heads > 0 and num_q_heads % num_kv_heads == 0):
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}")
-    if not paged:
-        if not (k_cache.shape[0] == batch):
-            raise ValueError(f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}")
+    if not paged and k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}")
     _check_tensor("cache_seqlens", cache_seqlens, 1, "(B,)")
     _check_int32("cache_seqlens", cache_seqlens, q.device)
-    if not (cache_seqlens.shape[0] == batch):
+    if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
     if paged:
         _check_paged(block_table, k_cache, batch, q.device)
@@ -87,10 +89,10 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
     _check_tensor("block_table", block_table, 2, "(B, max_pages_per_seq)")
     assert isinstance(block_table, torch.Tensor)
     _check_int32("block_table", block_table, device)
-    if not (block_table.shape[0] == batch):
+    if block_table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")
     page_size = k_cache.shape[1]
-    if not (page_size >= 16 and page_size & (page_size - 1) == 0):
+    if page_size < 16 or page_size & (page_size - 1) != 0:
         raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two >= 16, got {page_size}")
 
 
@@ -110,5 +112,5 @@ def _check_values(k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_tabl
         used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < cache_seqlens[:, None]
         pages = block_table[used]
         bad = pages[(pages < 0) | (pages >= k_cache.shape[0])]
-        if not (bad.numel() == 0):
+        if bad.numel() != 0:
             raise ValueError(f"block_table: expected page indices in [0, {k_cache.shape[0]}) for used pages, got {bad[:4].tolist()}")
