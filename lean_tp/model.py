@@ -1,0 +1,303 @@
+"""A compact Llama-family decoder built for decode: RMSNorm, RoPE (with Llama-3 scaling), SwiGLU,
+GQA and a static KV cache in the layout ``lean_tp.decode_attention`` takes.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.0.self_attn.
+q_proj.weight`` …), so a checkpoint's tensors load by name and tools that address modules by those
+names (DeepSpeed injection policies, say) find them.
+
+Prefill runs ``scaled_dot_product_attention`` over right-padded prompts with a causal mask; a
+padded position never influences a real one, and its K/V are ignored later because every decode
+step passes per-sequence ``cache_seqlens`` to the attention op. The batch is ragged by length, not
+padded into attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lean_tp.ops import decode_attention
+
+ATTENTION_IMPLS = ("lean", "sdpa")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling (``rope_type: "llama3"`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0 means dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads: expected a multiple of n_kv_heads ({self.n_kv_heads}), got {self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number for RoPE, got {self.head_dim}")
+
+
+# Published shapes. Real runs load weights with --checkpoint; these names give random weights of
+# the right size for speed runs. "tiny" has Hq=8, Hkv=2 so that 4 and 8 ranks replicate KV heads.
+CONFIGS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(vocab_size=1024, dim=512, n_layers=2, n_heads=8, n_kv_heads=2,
+                      intermediate_size=1024, max_seq_len=4096),
+    "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            intermediate_size=14336, rope_theta=500000.0, max_seq_len=8192),
+    "llama-3.1-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                              max_seq_len=131072),
+    "llama-3-70b": ModelArgs(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                             intermediate_size=28672, rope_theta=500000.0, max_seq_len=8192),
+    "mistral-7b": ModelArgs(vocab_size=32768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            intermediate_size=14336, rope_theta=1000000.0, max_seq_len=32768),
+    "phi-3-medium": ModelArgs(vocab_size=32064, dim=5120, n_layers=40, n_heads=40, n_kv_heads=10,
+                              intermediate_size=17920, max_seq_len=4096),
+}
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """(head_dim // 2,) float32 inverse frequencies, with Llama-3 scaling when configured."""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float() / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T) -> cos, sin (B, 1, T, head_dim), computed in float32 then cast."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, head_dim), rotate-half convention (the Hugging Face checkpoint layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static cache, k and v (B, Hkv, S_max, D), written in place so CUDA graphs can replay steps."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write_prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, Hkv, T, D) for positions 0..T-1."""
+        self.k[:, :, : k.shape[2]] = k
+        self.v[:, :, : v.shape[2]] = v
+
+    def write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v (B, Hkv, D) for one token per sequence, at positions (B,)."""
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[rows, :, positions] = k
+        self.v[rows, :, positions] = v
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+        self.impl = "lean"
+        self.backend = "auto"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """x (B, T, dim). cache_seqlens None: prefill at positions 0..T-1; else (B,) int32 lengths
+        before this step, and T == 1."""
+        if self.kv_cache is None:
+            raise RuntimeError("Attention: call setup_caches() on the model before running it")
+        bsz, seqlen, _ = x.shape
+        q = self.q_proj(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache_seqlens is None:
+            self.kv_cache.write_prefill(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            self.kv_cache.write_token(k[:, :, 0], v[:, :, 0], cache_seqlens)
+            y = self._decode(q[:, :, 0], cache_seqlens + 1)[:, :, None]
+        return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
+
+    def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
+        k_cache, v_cache = self.kv_cache.k, self.kv_cache.v
+        if self.impl == "lean":
+            return decode_attention(q, k_cache, v_cache, lengths, backend=self.backend)
+        mask = torch.arange(k_cache.shape[2], device=q.device) < lengths[:, None]
+        y = F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None],
+                                           enable_gqa=True)
+        return y[:, :, 0]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, cache_seqlens):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_seqlens)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. Build, optionally shard (``lean_tp.distributed.apply_tp``), load weights,
+    then ``setup_caches`` and call ``prefill`` once and ``decode_step`` per token."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.inv_freq: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when configured (again after ``to_empty``, which unties)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_modules(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def set_attention(self, impl: str = "lean", backend: str = "auto") -> None:
+        """Decode attention: ``"lean"`` (``lean_tp.decode_attention`` with ``backend``) or ``"sdpa"``."""
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+        for attn in self.attention_modules():
+            attn.impl, attn.backend = impl, backend
+
+    def setup_caches(self, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate each layer's (max_batch, local Hkv, max_seq_len, head_dim) cache on the weights'
+        device; call after sharding, so each rank holds only its own KV heads."""
+        if max_seq_len > self.args.max_seq_len:
+            raise ValueError(f"max_seq_len: expected <= the model's {self.args.max_seq_len}, got {max_seq_len}")
+        weight = self.lm_head.weight
+        dtype = dtype or weight.dtype
+        for attn in self.attention_modules():
+            attn.kv_cache = KVCache(max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device)
+        self.inv_freq = rope_inv_freq(self.args, weight.device)
+
+    def cache_capacity(self) -> int:
+        cache = self.attention_modules()[0].kv_cache
+        return 0 if cache is None else cache.k.shape[2]
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache_seqlens: torch.Tensor | None) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache_seqlens)
+        return self.model.norm(x)
+
+    def prefill(self, tokens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64, right-padded; prompt_lens (B,) int, each in [1, T].
+        Fills the cache for positions 0..T-1 and returns (B, vocab) logits of each last prompt token."""
+        bsz, seqlen = tokens.shape
+        positions = torch.arange(seqlen, device=tokens.device).expand(bsz, seqlen)
+        h = self._layers(tokens, positions, None)
+        last = h[torch.arange(bsz, device=h.device), prompt_lens.long() - 1]
+        return self.lm_head(last)
+
+    def decode_step(self, tokens: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) int64 at positions cache_seqlens (B,) int32 (the lengths before this token).
+        Writes their K/V, attends over cache_seqlens + 1 tokens, returns (B, vocab) logits."""
+        h = self._layers(tokens[:, None], cache_seqlens[:, None], cache_seqlens)
+        return self.lm_head(h[:, 0])
+
+
+def build_model(args: ModelArgs | str, device: torch.device | str = "meta") -> Transformer:
+    """The model on ``device`` (``"meta"`` by default: no memory until weights are loaded)."""
+    if isinstance(args, str):
+        if args not in CONFIGS:
+            raise ValueError(f"model: expected one of {sorted(CONFIGS)}, got {args!r}")
+        args = CONFIGS[args]
+    with torch.device(device):
+        return Transformer(args)
+
+
+def with_overrides(args: ModelArgs, **changes) -> ModelArgs:
+    """A copy of ``args`` with some fields changed (test and benchmark variants of a config)."""
+    return dataclasses.replace(args, **changes)
