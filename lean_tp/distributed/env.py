@@ -1,0 +1,123 @@
+"""Process-group setup from the torchrun environment: NCCL on CUDA, gloo on CPU, nothing for one process.
+
+Every rank validates the environment before it joins a collective, so a misconfiguration is
+reported by every rank instead of leaving the healthy ones waiting. The process-group timeout bounds
+every collective: a dead or stuck rank ends the job with an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup | None  # None for a single process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None, upper: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ValueError(f"{name}: expected it set by torchrun when WORLD_SIZE > 1, got it unset")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    if value < 0 or (upper is not None and value >= upper):
+        bound = f"[0, {upper})" if upper is not None else ">= 0"
+        raise ValueError(f"{name}: expected an integer in {bound}, got {value}")
+    return value
+
+
+def torchrun_env() -> tuple[int, int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) from the environment; (0, 1, 0, 1) without torchrun.
+    Reads no collective, so callers can validate a configuration before joining the job."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE: expected >= 1, got {world_size}")
+    single = world_size == 1
+    rank = _env_int("RANK", 0 if single else None, upper=world_size)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = _env_int("LOCAL_RANK", 0 if single else None, upper=max(local_world, 1))
+    return rank, world_size, local_rank, local_world
+
+
+def resolve_device(device: str | None, local_rank: int, local_world_size: int) -> torch.device:
+    """The rank's device: ``cuda:LOCAL_RANK`` for ``"cuda"`` (the default when CUDA is present), else CPU."""
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device: expected 'cpu' on a machine without CUDA, got 'cuda'")
+    count = torch.cuda.device_count()
+    if local_world_size > count:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE: expected at most {count} ranks per node (one per visible GPU), got {local_world_size}"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the torchrun job described by WORLD_SIZE/RANK/LOCAL_RANK, or run alone without them.
+
+    ``destroy_process_group()`` is registered to run at exit; calling ``shutdown()`` earlier is fine.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    rank, world_size, local_rank, local_world = torchrun_env()
+    dev = resolve_device(device, local_rank, local_world)
+    if world_size == 1:
+        return DistContext(0, 1, 0, dev, None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev if dev.type == "cuda" else None,
+    )
+    atexit.register(shutdown)
+    return DistContext(rank, world_size, local_rank, dev, dist.group.WORLD)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists (gloo may abort at exit otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def gather_objects(ctx: DistContext, obj: object) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank (host-side; not for the decode loop)."""
+    if ctx.group is None:
+        return [obj]
+    out: list[object] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
+def all_ranks_agree(ctx: DistContext, ok: bool) -> bool:
+    """True only if ``ok`` holds on every rank, so all ranks can exit with the same status."""
+    if ctx.group is None:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=ctx.device)
+    dist.all_reduce(flag, group=ctx.group)
+    return int(flag.item()) == 0

@@ -1,0 +1,132 @@
+"""examples/decode_tp.py under torchrun (gloo, CPU): TP equals one process for 1-8 ranks, compiled
+and eager; bad configurations fail on every rank; a failing, dead or stuck rank ends the job."""
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "decode_tp.py"
+WORKER = ROOT / "tests" / "tp_worker.py"
+RAGGED = "1,17,64,65"  # one-token prompt, and lengths around a 64-token block
+
+
+def _run(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy())
+
+
+def _torchrun(world: int, script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(script), *args]
+    return _run(cmd, timeout)
+
+
+def _expect_ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_single_process_defaults_check():
+    out = _expect_ok(_run([sys.executable, str(EXAMPLE), "--check", "--gen", "8"]))
+    assert "world 1" in out and "check: OK" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8], ids=lambda w: f"world{w}")
+def test_tp_matches_single_process(world):
+    """Ragged batch; 4 and 8 ranks replicate tiny's 2 KV heads."""
+    out = _expect_ok(_torchrun(world, EXAMPLE, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
+    assert f"world {world}" in out and f"rank {world - 1}:" in out
+    assert "check: OK (48 tokens identical" in out, out
+
+
+def test_tp_compiled_matches_single_process():
+    out = _expect_ok(_torchrun(2, EXAMPLE, "--check", "--compile", "--prompt-len", RAGGED, "--gen", "8"))
+    assert "compile on" in out and "check: OK" in out
+
+
+def test_tp_sdpa_attention_matches_single_process():
+    out = _expect_ok(_torchrun(2, EXAMPLE, "--check", "--attention", "sdpa", "--prompt-len", RAGGED, "--gen", "8"))
+    assert "attention sdpa" in out and "check: OK" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_ranks(world: int, cmd: list[str]) -> list[subprocess.Popen]:
+    """The ranks of a job started by hand (no torchrun supervising them), as torchrun would set them up."""
+    port, procs = _free_port(), []
+    for rank in range(world):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                            "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_unshardable_heads_fail_on_every_rank():
+    """tiny has 8 query heads: 3 ranks cannot split them. Every rank reports it, none waits."""
+    procs = _spawn_ranks(3, [sys.executable, str(EXAMPLE)])
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "cannot shard attention: expected n_heads divisible by world_size, got n_heads=8, n_kv_heads=2, world_size=3" in err
+
+
+@pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
+def test_failing_rank_ends_the_job_within_the_timeout(mode):
+    """Without torchrun to kill the job, the healthy rank must still stop: at once when the peer's
+    connection drops, and after the process-group timeout when the peer is alive but stuck."""
+    timeout_s = 8
+    start = time.monotonic()
+    procs = _spawn_ranks(2, [sys.executable, str(WORKER), mode, str(timeout_s)])
+    try:
+        _, err = procs[0].communicate(timeout=120)
+        elapsed = time.monotonic() - start
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert procs[0].returncode != 0, err[-2000:]
+    assert "finished" not in err
+    assert elapsed < 60 + timeout_s
+    if mode == "hang":
+        assert "Timed out" in err
+
+
+def test_torchrun_stops_all_ranks_when_one_raises():
+    start = time.monotonic()
+    proc = _torchrun(2, WORKER, "raise", "60", timeout=120)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+    assert time.monotonic() - start < 60  # well before the 60 s collective timeout would fire
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("decode_tp", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text,batch,match", [
+    ("5,6", 3, r"expected 1 or --batch \(3\) lengths"),
+    ("5,0", 2, "each >= 1"),
+    ("a,b", 2, "expected an integer or a comma list"),
+    ("5", 0, "--batch: expected >= 1"),
+])
+def test_bad_prompt_lengths(text, batch, match):
+    with pytest.raises(ValueError, match=match):
+        _example_module().parse_prompt_lens(text, batch)
+
+
+def test_prompt_lengths():
+    parse = _example_module().parse_prompt_lens
+    assert parse("7", 3) == [7, 7, 7]
+    assert parse("1,2,3", 3) == [1, 2, 3]
