@@ -17,6 +17,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Single-GPU decode loop for docs/BENCHMARKS.md: llama-3-8b (random weights, bf16), a ragged batch.
+DECODE_TP = ["examples/decode_tp.py", "--model", "llama-3-8b", "--batch", "8", "--gen", "128",
+             "--prompt-len", "256,512,1024,2048,4096,6144,7000,7900"]
+DECODE_TP_VARIANTS = {"eager lean": [], "eager sdpa": ["--attention", "sdpa"],
+                      "compiled lean": ["--compile"], "compiled sdpa": ["--compile", "--attention", "sdpa"]}
 
 
 def run(name: str, cmd: list[str], out_dir: str, timeout: int) -> tuple[str, str, float]:
@@ -61,9 +66,15 @@ def main() -> int:
             steps.append((f"compute-sanitizer {tool}", "NOT FOUND", 0.0))
     if not args.skip_bench:
         steps.append(run("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", args.out], args.out, 900))
+        for label, extra in DECODE_TP_VARIANTS.items():
+            steps.append(run(f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], args.out, 600))
     print("\n| step | status | seconds |\n|---|---|---|")
     for name, status, seconds in steps:
         print(f"| {name} | {status} | {seconds:.1f} |")
+    for label in DECODE_TP_VARIANTS:
+        log = os.path.join(args.out, f"decode_tp 8b {label}.log")
+        lines = [l.strip() for l in open(log) if l.startswith(("decode:", "attention:"))] if os.path.exists(log) else []
+        print(f"llama-3-8b {label}: {' | '.join(lines) or 'no result'}")
     csv_path = os.path.join(args.out, "bench_decode.csv")
     if os.path.exists(csv_path):
         print("\n" + open(csv_path).read())
