@@ -1,146 +1,271 @@
-"""Decode-attention benchmark: lean vs the peers installed here, on one GPU, in one run.
+"""Decode-attention benchmark: lean_tp.decode_attention against its peers, side by side, in one run.
 
-Method: the device-to-device copy bandwidth is measured first, in the same process. Each op is
-captured in one CUDA graph per input set; input sets rotate so that the bytes touched between two
-replays of the same set exceed the L2 cache several times (cold L2). Times are medians of CUDA-event
-measurements. Bandwidth counts the K/V bytes a ragged-aware kernel must read (sum of lengths) plus
-q and out; "%copy" is that over the measured copy bandwidth. Every peer's output is checked
-against lean's before it is timed.
+    python benchmarks/bench_decode.py --quick --out out/bench     # under 8 minutes on one H100
+    python benchmarks/bench_decode.py --out out/bench             # the full sweeps, fp16 and bf16
+    python benchmarks/bench_decode.py --dry --out out/dry         # CPU: tiny shapes, the plumbing only
 
-    python benchmarks/bench_decode.py --quick --out out/bench
+Peers (benchmarks/peers.py): lean, the FlashDecoding baseline (benchmarks/flash_decoding.py), SDPA
+with a length mask, FlexAttention's decode kernel under torch.compile, and flash-attn's
+``flash_attn_with_kvcache`` and FlashInfer's batch decode when installed ("not installed" otherwise).
+
+Method: the device-to-device copy bandwidth is measured first, in the same run. Every peer's output
+is checked against lean's before it is timed. Each peer is captured in one CUDA graph per input
+set, and the sets rotate so that at least 4x the L2 size is touched between two replays of one set
+(cold L2). Times are medians of CUDA-event measurements. Bandwidth counts the bytes a
+ragged-aware kernel must move (K/V of every sequence's length, plus q and out) and is reported as a
+fraction of the measured copy bandwidth. The dry mode times on the CPU with a wall clock instead.
 """
 
 from __future__ import annotations
 
+import sys
+
+if "--dry" in sys.argv:  # the dry run executes Triton kernels in the interpreter; set before they are defined
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import csv
+import math
 import os
 import statistics
-import sys
-from typing import Callable
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from peers import PEERS
+from tqdm import tqdm
 
-import lean_tp
-
-L2_ROTATION_FACTOR = 4  # bytes between two replays of one input set >= 4 x L2: the L2 is cold
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of reps."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = _time(lambda: dst.copy_(src), reps)
-    return 2 * nbytes / statistics.median(times)
+L2_ROTATION_FACTOR = 4  # bytes touched between two replays of one input set >= 4 x L2: the L2 is cold
+MEMORY_FRACTION = 0.6  # rows whose input sets need more of the free GPU memory are skipped
+CHECK_ATOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+MODELS = {"llama-3-8b": (32, 8), "llama-3-70b": (64, 8), "mistral-7b": (32, 8), "phi-3-medium": (40, 10)}
 
 
-def _time(fn: Callable[[], object], reps: int) -> list[float]:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return out
+@dataclass(frozen=True)
+class Shape:
+    sweep: str
+    x: str  # the swept value, for tables and plots
+    lens: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int = 128
 
 
-def make_set(lens, hq, hkv, d, dtype, capacity):
-    b = len(lens)
+def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
+    """One sequence at max_len, the others equal, so that mean / max == ratio (as near as integers
+    allow; the smallest reachable ratio is 1 / batch)."""
+    rest = max(1, round((ratio * batch * max_len - max_len) / (batch - 1)))
+    return (max_len,) + (min(rest, max_len),) * (batch - 1)
+
+
+def sweeps(quick: bool, dry: bool) -> list[Shape]:
+    if dry:
+        return [Shape("context", str(n), (n,) * 2, 4, 2, 64) for n in (64, 300)] + [
+            Shape("ragged", "0.3", ragged_lens(3, 200, 0.3), 4, 2, 64),
+            Shape("gqa", "4", (150,) * 2, 8, 2, 64),
+        ]
+    pick = (lambda full, few: few) if quick else (lambda full, few: full)
+    contexts = pick([1 << k for k in range(10, 20)], [1024, 8192, 32768, 131072])  # 1k-512k
+    shapes = [Shape("context", str(n), (n,) * 4, 32, 32) for n in contexts]
+    shapes += [Shape("heads", str(h), (262144,), h, h) for h in pick([8, 16, 32, 64, 128], [8, 32, 128])]
+    shapes += [Shape("batch", str(b), (16384,) * b, 32, 32) for b in pick([1, 2, 4, 8, 16, 32], [1, 8, 32])]
+    shapes += [Shape("ragged", str(r), ragged_lens(16, 32768, r), 32, 8)
+               for r in pick([0.1, 0.2, 0.4, 0.6, 0.8, 1.0], [0.1, 0.5, 1.0])]
+    shapes += [Shape("models", name, (8192,) * 8, hq, hkv) for name, (hq, hkv) in MODELS.items()]
+    shapes += [Shape("gqa", str(g), (16384,) * 8, 8 * g, 8) for g in pick([1, 2, 4, 8, 16], [1, 4, 16])]
+    return shapes
+
+
+def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    b, cap = len(shape.lens), max(shape.lens)
     return dict(
-        q=torch.randn(b, hq, d, device="cuda", dtype=dtype),
-        k_cache=torch.randn(b, hkv, capacity, d, device="cuda", dtype=dtype),
-        v_cache=torch.randn(b, hkv, capacity, d, device="cuda", dtype=dtype),
-        cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        q=torch.randn(b, shape.hq, shape.d, device=device, dtype=dtype),
+        k_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype),
+        v_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype),
+        cache_seqlens=torch.tensor(shape.lens, dtype=torch.int32, device=device),
     )
 
 
-def sdpa(q, k_cache, v_cache, cache_seqlens):
-    """What a user without a decode kernel writes: SDPA over the padded cache with a length mask."""
-    mask = torch.arange(k_cache.shape[2], device=q.device) < cache_seqlens[:, None]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None], enable_gqa=True
-    )
-    return out[:, :, 0]
+def moved_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    return (2 * sum(shape.lens) * shape.hkv * shape.d + 2 * len(shape.lens) * shape.hq * shape.d) * dtype.itemsize
 
 
-PEERS: dict[str, Callable] = {
-    "lean": lambda s: lean_tp.decode_attention(**s),
-    "sdpa": lambda s: sdpa(**s),
-    "torch-backend": lambda s: lean_tp.decode_attention(**s, backend="torch"),
-}
+class Timer:
+    """Median seconds per call: CUDA-graph replays timed with events on a GPU, wall clock on CPU."""
 
+    def __init__(self, device: torch.device, reps: int) -> None:
+        self.cuda, self.reps = device.type == "cuda", reps
 
-def bench_row(lens, hq, hkv, d, dtype, reps, l2_bytes):
-    capacity = max(lens)
-    one = make_set(lens, hq, hkv, d, dtype, capacity)
-    set_bytes = sum(t.numel() * t.element_size() for t in one.values())
-    sets = [one] + [make_set(lens, hq, hkv, d, dtype, capacity) for _ in range(max(1, L2_ROTATION_FACTOR * l2_bytes // set_bytes))]
-    ref = PEERS["lean"](one)
-    row = {}
-    for name, fn in PEERS.items():
-        err = (fn(one).float() - ref.float()).abs().max().item()
-        if err > 2e-2:
-            row[name] = float("nan")
-            print(f"  {name}: output differs from lean by {err:.3e}; not timed", file=sys.stderr)
-            continue
-        graphs = []
-        for s in sets:
-            fn(s)
+    def __call__(self, fns: list[Callable[[], torch.Tensor]]) -> tuple[float, str]:
+        if not self.cuda:
+            fns[0]()
+            samples = []
+            for _ in range(self.reps):
+                for fn in fns:
+                    start = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - start)
+            return statistics.median(samples), ""
+        try:
+            runs, how = [self._graph(fn) for fn in fns], ""
+        except Exception:  # a peer that cannot be captured is timed eagerly, and the row says so
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn(s)
-            graphs.append(g)
-        times = []
-        for _ in range(max(1, reps // len(graphs))):
-            for g in graphs:
-                times += _time(g.replay, 1)
-        row[name] = statistics.median(times)
-        del graphs
-    elem = torch.empty((), dtype=dtype).element_size()
-    moved = (2 * sum(lens) * hkv * d + 2 * len(lens) * hq * d) * elem
-    return row, moved
+            runs, how = fns, "eager (graph capture failed)"
+        events = []
+        for _ in range(max(self.reps // len(runs), 3)):
+            for run in runs:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                events.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in events), how
+
+    @staticmethod
+    def _graph(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        fn()  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short sweep (a few minutes)")
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--out", default="out/bench")
-    args = parser.parse_args(argv)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
-    bw = copy_bandwidth()
-    print(f"device: {props.name}, SMs {props.multi_processor_count}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    contexts = [1024, 8192, 32768, 131072] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
-    shapes = [([n] * 8, 32, 8, 128) for n in contexts]  # Llama-3-8B attention, batch 8
-    shapes += [([n] * 1, 32, 8, 128) for n in contexts]
-    shapes += [([32768, 512, 4096, 1024, 100, 16000, 8000, 2000], 32, 8, 128)]  # ragged batch
-    os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for lens, hq, hkv, d in shapes:
-        times, moved = bench_row(lens, hq, hkv, d, dtype, args.reps, l2)
-        row = dict(batch=len(lens), max_len=max(lens), mean_len=sum(lens) // len(lens), hq=hq, hkv=hkv, d=d, dtype=args.dtype)
-        for name, t in times.items():
-            row[f"{name}_us"] = round(t * 1e6, 2)
-        row["lean_GBps"] = round(moved / times["lean"] / 1e9, 1)
-        row["lean_pct_copy"] = round(100 * moved / times["lean"] / bw, 1)
-        for name in PEERS:
-            if name != "lean":
-                row[f"speedup_vs_{name}"] = round(times[name] / times["lean"], 2)
-        rows.append(row)
-        print(row, flush=True)
-    with open(os.path.join(args.out, "bench_decode.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+def copy_bandwidth(device: torch.device) -> float:
+    """Copy bandwidth in bytes/s (read + written), median of 20 copies of 1 GiB (64 MiB on CPU)."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds, _ = Timer(device, 20)([lambda: dst.copy_(src)])
+    return 2 * n / seconds
+
+
+def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes: int) -> list[dict] | None:
+    """Enough sets to keep the L2 cold between replays of one set; None if one set does not fit."""
+    batch = len(shape.lens)
+    set_bytes = (2 * batch * shape.hkv * max(shape.lens) + batch * shape.hq) * shape.d * dtype.itemsize
+    count = max(1, min(64, math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes)))
+    if device.type != "cuda":
+        count = 1  # the dry run checks the plumbing; there is no L2 to keep cold
+    else:
+        budget = MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
+        if set_bytes > budget:
+            return None
+        count = max(1, min(count, int(budget // set_bytes)))
+    return [make_set(shape, dtype, device) for _ in range(count)]
+
+
+def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: list[str], timer: Timer,
+                copy_bw: float, l2_bytes: int) -> dict:
+    row = dict(sweep=shape.sweep, x=shape.x, dtype=str(dtype).removeprefix("torch."), batch=len(shape.lens),
+               hq=shape.hq, hkv=shape.hkv, d=shape.d, max_len=max(shape.lens), mean_len=sum(shape.lens) // len(shape.lens))
+    notes, times = [], {}
+    sets = input_sets(shape, dtype, device, l2_bytes)
+    if sets is None:
+        row["notes"] = "skipped: inputs do not fit in GPU memory"
+        return row
+    ref = PEERS["lean"].prepare(sets[0])().float()
+    for name in peers:
+        why = PEERS[name].unavailable(device)
+        if why:
+            notes.append(f"{name}: {why}")
+            continue
+        try:
+            fns = [PEERS[name].prepare(s) for s in sets]
+            err = (fns[0]().float() - ref).abs().max().item()
+            if not err <= CHECK_ATOL[dtype]:
+                notes.append(f"{name}: differs from lean by {err:.2e}, not timed")
+                continue
+            times[name], how = timer(fns)
+            if how:
+                notes.append(f"{name}: {how}")
+        except Exception as exc:  # a peer's failure is reported in the row, never fatal
+            notes.append(f"{name}: error {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+        finally:
+            fns = None
+    moved = moved_bytes(shape, dtype)
+    for name, seconds in times.items():
+        row[f"{name}_us"] = round(seconds * 1e6, 2)
+        row[f"{name}_pct_copy"] = float(f"{100 * moved / seconds / copy_bw:.3g}")
+    for name, seconds in times.items():
+        if name != "lean" and "lean" in times:
+            row[f"speedup_vs_{name}"] = float(f"{seconds / times['lean']:.3g}")
+    row["notes"] = "; ".join(notes)
+    return row
+
+
+def environment(device: torch.device, copy_bw: float) -> dict:
+    import datetime
+    import subprocess
+
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    env = dict(date=datetime.date.today().isoformat(), commit=commit or "unknown", torch=torch.__version__,
+               triton=triton.__version__, copy_bandwidth_TBps=round(copy_bw / 1e12, 3))
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env |= dict(device=props.name, sms=props.multi_processor_count, driver=torch.cuda.driver_version()
+                    if hasattr(torch.cuda, "driver_version") else "see nvidia-smi", cuda=torch.version.cuda)
+    else:
+        env |= dict(device="cpu (dry run)")
+    return env
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short sweep: under 8 minutes on one H100")
+    p.add_argument("--dry", action="store_true", help="CPU, tiny shapes, torch backend: check the plumbing")
+    p.add_argument("--dtypes", nargs="+", choices=("fp16", "bf16"), help="default: bf16 with --quick, else both")
+    p.add_argument("--sweeps", nargs="+", help="only these sweeps (context heads batch ragged models gqa)")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--out", default="out/bench")
+    args = p.parse_args(argv)
+    if not args.dry and not torch.cuda.is_available():
+        raise SystemExit("bench_decode: needs a CUDA device; use --dry on CPU")
+    device = torch.device("cpu" if args.dry else "cuda")
+    names = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    dtypes = [torch.float32] if args.dry else [names[d] for d in (args.dtypes or (["bf16"] if args.quick else ["fp16", "bf16"]))]
+    peers = ["lean"] + [n for n in args.peers if n != "lean"]
+    copy_bw = copy_bandwidth(device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 32 << 20
+    env = environment(device, copy_bw)
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    if args.dry:
+        print("dry run: CPU timings (Triton interpreter, torch backend) say nothing about GPU speed", flush=True)
+    shapes = [s for s in sweeps(args.quick, args.dry) if not args.sweeps or s.sweep in args.sweeps]
+    timer = Timer(device, 5 if args.dry else args.reps)
+    rows = [bench_shape(s, dt, device, peers, timer, copy_bw, l2)
+            for dt, s in tqdm([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")]
+    write_results(rows, env, args.out)
+    return rows
+
+
+def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
+    import json
+
+    from plots import plot_all
+
+    os.makedirs(out_dir, exist_ok=True)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    fields.append(fields.pop(fields.index("notes")))
+    with open(os.path.join(out_dir, "bench_decode.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+    with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+        json.dump(env, f, indent=1)
+    plot_all(rows, env, out_dir)
+    for row in rows:
+        speedups = " ".join(f"{k.removeprefix('speedup_vs_')}={v}x" for k, v in row.items() if k.startswith("speedup_vs_"))
+        lean = f"lean {row['lean_us']} us ({row['lean_pct_copy']}% of copy BW)" if "lean_us" in row else "lean: -"
+        print(f"{row['sweep']:>8} {row['x']:>12} {row['dtype']:>8}: {lean}; {speedups}  {row['notes']}")
 
 
 if __name__ == "__main__":

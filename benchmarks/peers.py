@@ -1,0 +1,116 @@
+"""The decode-attention implementations the benchmark compares, behind one interface.
+
+Every peer takes the same input set: q (B, Hq, D), k_cache/v_cache (B, Hkv, S_max, D) and
+cache_seqlens (B,) int32. ``prepare(inputs)`` does whatever the peer needs once per input set and
+outside the timed region (a layout copy, a block mask, FlashInfer's host-side ``plan``) and
+returns a zero-argument callable that computes out (B, Hq, D). A peer whose package is missing
+reports why and is skipped, never failing the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import lean_tp
+from flash_decoding import flash_decoding
+
+Inputs = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    prepare: Callable[[Inputs], Callable[[], torch.Tensor]]
+    needs: str | None = None  # importable module the peer requires
+    cuda_only: bool = False
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this peer cannot run here, or None."""
+        if self.needs and importlib.util.find_spec(self.needs) is None:
+            return "not installed"
+        if self.cuda_only and device.type != "cuda":
+            return "needs CUDA"
+        return None
+
+
+def _lean(s: Inputs):
+    backend = "auto" if s["q"].is_cuda else "torch"  # the dry run on CPU uses the torch backend
+    return lambda: lean_tp.decode_attention(**s, backend=backend)
+
+
+def _flash_decoding(s: Inputs):
+    return lambda: flash_decoding(**s)
+
+
+def _sdpa(s: Inputs):
+    """What a user without a decode kernel writes: SDPA over the padded cache with a length mask."""
+    q, k, v, lens = s["q"], s["k_cache"], s["v_cache"], s["cache_seqlens"]
+    mask = (torch.arange(k.shape[2], device=q.device) < lens[:, None])[:, None, None]
+    return lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+
+
+_FLEX_COMPILED = {}
+
+
+def _flex(s: Inputs):
+    """FlexAttention's decode kernel (Q_LEN = 1) under torch.compile, with a per-sequence length mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v, lens = s["q"], s["k_cache"], s["v_cache"], s["cache_seqlens"]
+    fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention, fullgraph=True, dynamic=False))
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lens[b], q.shape[0], None, 1, k.shape[2], device=q.device)
+    q4 = q[:, :, None]
+    return lambda: fn(q4, k, v, block_mask=mask, enable_gqa=True)[:, :, 0]
+
+
+def _flash_attn(s: Inputs):
+    """FlashAttention-2's ``flash_attn_with_kvcache`` (FlashDecoding); its cache is (B, S, Hkv, D)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    q, lens = s["q"][:, None], s["cache_seqlens"]
+    k, v = s["k_cache"].transpose(1, 2).contiguous(), s["v_cache"].transpose(1, 2).contiguous()
+    return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)[:, 0]
+
+
+FLASHINFER_PAGE = 16
+
+
+def _flashinfer(s: Inputs):
+    """FlashInfer's batch decode over a paged (HND) copy of the cache; ``plan`` runs here, untimed."""
+    import flashinfer
+
+    q, lens = s["q"], s["cache_seqlens"]
+    batch, hkv, cap, d = s["k_cache"].shape
+    pages = -(-cap // FLASHINFER_PAGE)
+
+    def paged(cache):
+        pad = torch.nn.functional.pad(cache, (0, 0, 0, pages * FLASHINFER_PAGE - cap))
+        return pad.view(batch, hkv, pages, FLASHINFER_PAGE, d).permute(0, 2, 1, 3, 4).reshape(-1, hkv, FLASHINFER_PAGE, d).contiguous()
+
+    k, v = paged(s["k_cache"]), paged(s["v_cache"])
+    used = (lens + FLASHINFER_PAGE - 1) // FLASHINFER_PAGE
+    indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()
+    indices = torch.cat([torch.arange(int(n), device=q.device) + b * pages for b, n in enumerate(used.tolist())]).int()
+    last = (lens - (used - 1) * FLASHINFER_PAGE).int()
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    wrapper.plan(indptr, indices, last, q.shape[1], hkv, d, FLASHINFER_PAGE, q_data_type=q.dtype, kv_data_type=k.dtype)
+    return lambda: wrapper.run(q, (k, v))
+
+
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        Peer("lean", _lean),
+        Peer("flash-decoding", _flash_decoding),
+        Peer("sdpa", _sdpa),
+        Peer("flex", _flex),
+        Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),
+        Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True),
+    )
+}

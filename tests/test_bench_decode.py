@@ -1,0 +1,82 @@
+"""The benchmark's plumbing, on CPU: the dry run (tiny shapes, torch backend, Triton interpreter)
+writes the CSV, the environment record and the plots, and reports missing peers instead of failing."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import bench_decode  # noqa: E402
+from peers import PEERS, Peer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dry")
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--dry", "--out", str(out), "--sweeps", "context", "gqa"],
+                          capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_dry_run_times_every_available_peer(dry_run):
+    out, stdout = dry_run
+    rows = list(csv.DictReader(open(out / "bench_decode.csv")))
+    assert [(r["sweep"], r["x"]) for r in rows] == [("context", "64"), ("context", "300"), ("gqa", "4")]
+    for row in rows:
+        for peer in ("lean", "flash-decoding", "sdpa", "flex"):
+            assert float(row[f"{peer}_us"]) > 0 and float(row[f"{peer}_pct_copy"]) > 0, (peer, row)
+        for peer in ("flash-decoding", "sdpa", "flex"):
+            assert float(row[f"speedup_vs_{peer}"]) > 0
+        for peer in ("flash-attn", "flashinfer"):
+            assert f"{peer}: not installed" in row["notes"] or f"{peer}: needs CUDA" in row["notes"]
+    assert "say nothing about GPU speed" in stdout
+
+
+def test_dry_run_records_environment_and_plots(dry_run):
+    out, _ = dry_run
+    env = json.load(open(out / "bench_decode.json"))
+    assert {"date", "commit", "torch", "triton", "copy_bandwidth_TBps", "device"} <= set(env)
+    for name in ("speedup.png", "bandwidth.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+def test_ragged_lengths_hit_the_ratio():
+    for ratio in (0.1, 0.2, 0.4, 0.6, 0.8, 1.0):
+        lens = bench_decode.ragged_lens(16, 32768, ratio)
+        assert max(lens) == 32768 and len(lens) == 16
+        assert sum(lens) / len(lens) / max(lens) == pytest.approx(ratio, abs=0.01)
+
+
+def test_quick_preset_covers_every_sweep():
+    quick, full = bench_decode.sweeps(quick=True, dry=False), bench_decode.sweeps(quick=False, dry=False)
+    names = {"context", "heads", "batch", "ragged", "models", "gqa"}
+    assert {s.sweep for s in quick} == names == {s.sweep for s in full}
+    assert len(quick) < len(full)
+    assert max(max(s.lens) for s in full) == 1 << 19  # 512k where memory allows
+    assert {s.x for s in full if s.sweep == "models"} == {"llama-3-8b", "llama-3-70b", "mistral-7b", "phi-3-medium"}
+
+
+def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
+    def broken(_inputs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(PEERS, "ghost", Peer("ghost", broken, needs="no_such_module_here"))
+    monkeypatch.setitem(PEERS, "broken", Peer("broken", broken))
+    shape = bench_decode.Shape("context", "32", (32,), 2, 2, 64)
+    timer = bench_decode.Timer(torch.device("cpu"), 2)
+    row = bench_decode.bench_shape(shape, torch.float32, torch.device("cpu"), ["lean", "ghost", "broken"], timer, 1e10, 0)
+    assert "ghost: not installed" in row["notes"] and "broken: error RuntimeError: boom" in row["notes"]
+    assert row["lean_us"] > 0 and "speedup_vs_broken" not in row
+
+
+def test_moved_bytes_counts_lengths_not_capacity():
+    shape = bench_decode.Shape("ragged", "x", (100, 10), 8, 2, 64)
+    assert bench_decode.moved_bytes(shape, torch.bfloat16) == (2 * 110 * 2 * 64 + 2 * 2 * 8 * 64) * 2
