@@ -19,8 +19,13 @@ def make_inputs(
     device: str = "cpu",
     capacity: int | None = None,
     seed: int = 0,
+    leftpad: list[int] | None = None,
 ) -> dict:
-    """q, k_cache, v_cache, cache_seqlens and block_table for a ragged batch.
+    """q, k_cache, v_cache, cache_seqlens, block_table and cache_leftpad for a ragged batch.
+
+    ``lens`` counts each sequence's valid keys. With ``leftpad``, they sit after that many padding
+    positions (cache_seqlens = leftpad + lens), and the padding holds random keys that a kernel
+    ignoring the left padding would attend to.
 
     "transposed" stores the cache as (B, S, Hkv, D) and views it as (B, Hkv, S, D); "pagedN" scatters
     each sequence over randomly permuted pages of N tokens, and fills unused block-table entries
@@ -28,6 +33,8 @@ def make_inputs(
     """
     g = torch.Generator().manual_seed(seed)
     batch = len(lens)
+    if leftpad is not None:
+        lens = [p + n for p, n in zip(leftpad, lens)]
     capacity = capacity or max(max(lens), 1) + 7
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     q = rand(batch, num_q_heads, head_dim)
@@ -47,7 +54,9 @@ def make_inputs(
         used = torch.arange(pages_per_seq) * page_size < seqlens[:, None]
         block_table = torch.where(used, perm, torch.full_like(perm, 1 << 30)).to(torch.int32)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return dict(q=to(q), k_cache=to(k), v_cache=to(v), cache_seqlens=to(seqlens), block_table=to(block_table))
+    pads = torch.tensor(leftpad, dtype=torch.int32) if leftpad is not None else None
+    return dict(q=to(q), k_cache=to(k), v_cache=to(v), cache_seqlens=to(seqlens), block_table=to(block_table),
+                cache_leftpad=to(pads))
 
 
 def assert_matches_ref(out: torch.Tensor, lse: torch.Tensor, inputs: dict, atol: float, rtol: float = 0.0) -> None:
@@ -59,7 +68,8 @@ def assert_matches_ref(out: torch.Tensor, lse: torch.Tensor, inputs: dict, atol:
     assert not out.isnan().any(), "out has NaN (an unwritten or poisoned element)"
     assert not lse.isnan().any(), "lse has NaN (an unwritten or poisoned element)"
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
-    empty = inputs["cache_seqlens"].cpu() == 0
+    pads = inputs.get("cache_leftpad")
+    empty = (inputs["cache_seqlens"] - (pads if pads is not None else 0)).cpu() == 0
     assert (out[empty] == 0).all()
     assert torch.isneginf(lse[empty]).all()
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=atol, rtol=rtol)

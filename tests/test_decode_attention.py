@@ -84,6 +84,17 @@ def test_decode_attention_triton_split_everywhere():
     assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("num_programs", [None, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "paged16"])
+def test_decode_attention_triton_left_padding(layout, num_programs):
+    """Left-padded batches: keys start at cache_leftpad[b] (not tile- or page-aligned); the random
+    keys in the padding must not be attended to."""
+    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: small tiles, so padding offsets cut tiles")
+    inputs = make_inputs([40, 0, 1, 97], 8, 2, 64, torch.float32, layout, seed=13, leftpad=[0, 5, 33, 17])
+    out, lse = run_kernel(inputs, num_programs=num_programs, config=config)
+    assert_matches_ref(out, lse, inputs, atol=2e-5)
+
+
 def test_decode_attention_triton_large_group_chunks():
     """A group larger than the row block is computed as several head units (NUM_GC > 1)."""
     config = DecodeConfig(64, 32, 16, 4, 1, 1, "test: 16-row blocks force 2 chunks of a group of 24")
@@ -111,6 +122,9 @@ def test_decode_attention_public_api_triton_backend():
     out, lse = lean_tp.decode_attention(**inputs, backend="triton", return_lse=True)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
+    padded = make_inputs([60, 0, 5], 8, 2, 128, torch.float16, "paged16", seed=8, leftpad=[70, 3, 0])
+    out, lse = lean_tp.decode_attention(**padded, backend="triton", return_lse=True)
+    assert_matches_ref(out, lse, padded, atol=ATOL[torch.float16])
     scaled = lean_tp.decode_attention(**inputs, softmax_scale=0.3, backend="triton")
     expected = lean_tp.decode_attention(**inputs, softmax_scale=0.3, backend="torch")
     torch.testing.assert_close(scaled, expected, atol=2e-3, rtol=0)

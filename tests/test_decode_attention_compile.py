@@ -42,9 +42,11 @@ def compile_all() -> dict:
         for dtype_name in DTYPES[size]:
             dtype = getattr(torch, dtype_name)
             for group in GROUPS:
-                for page_size in (None, 16):
-                    cx = kernel_constexprs(config, head_dim, group, dtype, page_size)
-                    variant = (dtype_name, cx["BLOCK_G"], cx["NUM_GC"] > 1, page_size)
+                for page_size, leftpad in ((None, False), (16, False), (None, True), (16, True)):
+                    if leftpad and group != GROUPS[0]:
+                        continue  # left padding changes only the key addressing, not the row blocks
+                    cx = kernel_constexprs(config, head_dim, group, dtype, page_size, leftpad)
+                    variant = (dtype_name, cx["BLOCK_G"], cx["NUM_GC"] > 1, page_size, leftpad)
                     if variant in seen:
                         continue
                     seen.add(variant)

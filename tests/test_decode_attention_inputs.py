@@ -36,6 +36,9 @@ CASES = {
     "block-table-rows": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][:1]), ValueError, "block_table"),
     "block-table-ndim": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][0]), ValueError, "block_table"),
     "page-size-not-pow2": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :12], v_cache=lambda i: i["v_cache"][:, :12]), ValueError, "page size"),
+    "leftpad-int64": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad"),
+    "leftpad-shape": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(3, dtype=torch.int32)), ValueError, "cache_leftpad"),
+    "leftpad-not-tensor": (lambda: _edit(cache_leftpad=lambda i: [0, 0]), TypeError, "cache_leftpad"),
     "page-size-8": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :8], v_cache=lambda i: i["v_cache"][:, :8]), ValueError, "page size"),
 }
 
@@ -79,6 +82,14 @@ def test_debug_checks_lengths(monkeypatch, lens, layout):
     inputs["cache_seqlens"] = torch.tensor(lens, dtype=torch.int32)
     monkeypatch.setenv("LEAN_TP_DEBUG", "1")
     with pytest.raises(ValueError, match="cache_seqlens: expected values in"):
+        lean_tp.decode_attention(**inputs)
+
+
+def test_debug_checks_left_padding(monkeypatch):
+    inputs = _base()
+    inputs["cache_leftpad"] = torch.tensor([0, 10], dtype=torch.int32)  # beyond sequence 1's length 9
+    monkeypatch.setenv("LEAN_TP_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"cache_leftpad: expected 0 <= cache_leftpad\[b\] <= cache_seqlens\[b\]"):
         lean_tp.decode_attention(**inputs)
 
 

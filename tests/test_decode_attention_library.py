@@ -9,13 +9,19 @@ import lean_tp
 
 def _op_args(inputs, backend="auto"):
     scale = inputs["q"].shape[-1] ** -0.5
-    return (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"], scale, backend)
+    return (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
+            inputs["cache_leftpad"], scale, backend)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_opcheck(dtype, layout):
     inputs = make_inputs([0, 5, 70], 8, 2, 64, dtype, layout, seed=4)
+    torch.library.opcheck(torch.ops.lean_tp.decode_attention.default, _op_args(inputs))
+
+
+def test_opcheck_left_padding():
+    inputs = make_inputs([0, 5, 70], 8, 2, 64, torch.float32, seed=5, leftpad=[3, 0, 17])
     torch.library.opcheck(torch.ops.lean_tp.decode_attention.default, _op_args(inputs))
 
 
@@ -32,11 +38,12 @@ def test_op_schema_and_fake_shapes():
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_compile_fullgraph_matches_eager(layout):
-    inputs = make_inputs([0, 17, 200], 8, 2, 64, torch.float32, layout, seed=6)
+    inputs = make_inputs([0, 17, 200], 8, 2, 64, torch.float32, layout, seed=6, leftpad=[0, 4, 1])
 
-    def step(q, k_cache, v_cache, cache_seqlens, block_table):
+    def step(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
         out, lse = lean_tp.decode_attention(
-            q * 1.5, k_cache, v_cache, cache_seqlens, block_table=block_table, return_lse=True
+            q * 1.5, k_cache, v_cache, cache_seqlens, block_table=block_table, cache_leftpad=cache_leftpad,
+            return_lse=True,
         )
         return out + 1.0, lse
 
@@ -46,7 +53,7 @@ def test_compile_fullgraph_matches_eager(layout):
     torch.testing.assert_close(got[0], eager[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], eager[1], atol=1e-5, rtol=1e-5)
     # New lengths, same shapes: no recompilation is needed and the result follows the new lengths.
-    inputs["cache_seqlens"] = torch.tensor([0, 3, 199], dtype=torch.int32)
+    inputs["cache_seqlens"] = torch.tensor([0, 7, 199], dtype=torch.int32)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled(**inputs)
     torch.testing.assert_close(got[0], step(**inputs)[0], atol=1e-5, rtol=1e-5)

@@ -30,6 +30,15 @@ def test_decode_attention_torch_many_chunks(monkeypatch, layout):
     assert_matches_ref(out, lse, inputs, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_decode_attention_torch_left_padding(monkeypatch, layout):
+    """Padding that spans whole chunks, ends inside one, or leaves nothing valid."""
+    monkeypatch.setattr(torch_impl, "CHUNK_TOKENS", 48)
+    inputs = make_inputs([10, 0, 200, 1], 8, 2, 64, torch.float32, layout, seed=6, leftpad=[0, 30, 100, 47])
+    out, lse = lean_tp.decode_attention(**inputs, backend="torch", return_lse=True)
+    assert_matches_ref(out, lse, inputs, atol=2e-5)
+
+
 def test_decode_attention_auto_on_cpu_is_torch():
     inputs = make_inputs([33, 0], 4, 2, 64, torch.float32, seed=2)
     torch.testing.assert_close(

@@ -37,7 +37,7 @@ def _check_int32(name: str, x: torch.Tensor, device: torch.device) -> None:
 def check_types(**tensors: object) -> None:
     """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
     for name, x in tensors.items():
-        if x is not None or name != "block_table":
+        if x is not None or name not in ("block_table", "cache_leftpad"):
             _require_tensor(name, x)
 
 
@@ -48,6 +48,7 @@ def check_inputs(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     backend: str,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call."""
     if not (isinstance(backend, str) and backend in BACKENDS):
@@ -79,10 +80,15 @@ def check_inputs(
     _check_int32("cache_seqlens", cache_seqlens, q.device)
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    if cache_leftpad is not None:
+        _check_tensor("cache_leftpad", cache_leftpad, 1, "(B,)")
+        _check_int32("cache_leftpad", cache_leftpad, q.device)
+        if cache_leftpad.shape[0] != batch:
+            raise ValueError(f"cache_leftpad: expected shape ({batch},), got {tuple(cache_leftpad.shape)}")
     if paged:
         _check_paged(block_table, k_cache, batch, q.device)
     if os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
-        _check_values(k_cache, cache_seqlens, block_table)
+        _check_values(k_cache, cache_seqlens, block_table, cache_leftpad)
 
 
 def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -101,12 +107,19 @@ def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
     return k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def _check_values(k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None) -> None:
+def _check_values(
+    k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, cache_leftpad: torch.Tensor | None
+) -> None:
     """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device."""
     cap = capacity(k_cache, block_table)
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
     if not (lo >= 0 and hi <= cap):
         raise ValueError(f"cache_seqlens: expected values in [0, {cap}] (the cache capacity), got min {lo}, max {hi}")
+    if cache_leftpad is not None and not bool(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all()):
+        raise ValueError(
+            f"cache_leftpad: expected 0 <= cache_leftpad[b] <= cache_seqlens[b], got {cache_leftpad.tolist()[:8]} "
+            f"with cache_seqlens {cache_seqlens.tolist()[:8]}"
+        )
     if block_table is not None and block_table.numel():
         page_size = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < cache_seqlens[:, None]

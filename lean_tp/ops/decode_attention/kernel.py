@@ -34,14 +34,15 @@ def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl
 
 @triton.jit
 def _attend(
-    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_lo, n_hi, scale_log2,
+    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, scale_log2,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Un-normalized partial (acc [BLOCK_G, D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
-    The caller guarantees n_lo < n_hi, so the first block has a valid key and m is finite.
+    Key i of the sequence sits at cache position n_base + i (n_base: its left padding). The caller
+    guarantees n_lo < n_hi, so the first block has a valid key and m is finite.
     """
     o_d = tl.arange(0, HEAD_DIM)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -51,7 +52,7 @@ def _attend(
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
         # The page lookup is shared by K and V; their strides may differ.
-        o_row, o_pos = _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
+        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
@@ -172,15 +173,19 @@ def _finish_split(
 
 @triton.jit
 def decode_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, leftpad_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
     scale_log2, B, HKV, num_programs,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     stride_ob, stride_oh, stride_lb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):  # fmt: skip
-    """One persistent program of the stream-K grid; see schedule.py for the tile order."""
+    """One persistent program of the stream-K grid; see schedule.py for the tile order.
+
+    seqlens_ptr holds each sequence's number of valid keys; with HAS_LEFTPAD they start at cache
+    position leftpad_ptr[b] instead of 0 (left-padded batches).
+    """
     pid = tl.program_id(0)
     total = _total_tiles(seqlens_ptr, B, HKV * NUM_GC, TILE_N, BLOCK_B)
     n_active = _num_active(total, num_programs, MIN_TILES)
@@ -203,8 +208,11 @@ def decode_attention_fwd_kernel(
         p_q = q_ptr + tl.cast(b, tl.int64) * stride_qb + (h_q + o_g)[:, None] * stride_qh + o_d[None, :]
         b_q = tl.load(p_q, mask=(o_g < n_rows)[:, None], other=0.0).to(k_ptr.dtype.element_ty)
         n_hi = tl.minimum((tile + seg_end - t) * TILE_N, tl.load(seqlens_ptr + b))
+        n_base = 0
+        if HAS_LEFTPAD:
+            n_base = tl.load(leftpad_ptr + b)
         b_acc, b_m, b_l = _attend(
-            b_q, k_ptr, v_ptr, bt_ptr, b, hu // NUM_GC, tile * TILE_N, n_hi, scale_log2,
+            b_q, k_ptr, v_ptr, bt_ptr, b, hu // NUM_GC, n_base, tile * TILE_N, n_hi, scale_log2,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
             HEAD_DIM, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
         )

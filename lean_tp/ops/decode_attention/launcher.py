@@ -27,7 +27,8 @@ _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: 
 
 
 def kernel_constexprs(
-    config: DecodeConfig, head_dim: int, group: int, dtype: torch.dtype, page_size: int | None
+    config: DecodeConfig, head_dim: int, group: int, dtype: torch.dtype, page_size: int | None,
+    has_leftpad: bool = False,
 ) -> dict[str, Any]:
     """Compile-time arguments of the kernel for one problem family."""
     block_g = block_g_for(group, config)
@@ -43,6 +44,7 @@ def kernel_constexprs(
         "MIN_TILES": MIN_TILES_PER_PROGRAM,
         "BLOCK_B": SCHEDULE_BLOCK_B,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "HAS_LEFTPAD": has_leftpad,
     }
 
 
@@ -55,7 +57,7 @@ def kernel_signature(dtype: torch.dtype, constexprs: dict[str, Any]) -> dict[str
             sig[name] = "constexpr"
         elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
             sig[name] = f"*{ty}"
-        elif name in ("seqlens_ptr", "bt_ptr", "counter_ptr"):
+        elif name in ("seqlens_ptr", "leftpad_ptr", "bt_ptr", "counter_ptr"):
             sig[name] = "*i32"
         elif name in ("ws_acc_ptr", "ws_ml_ptr", "lse_ptr"):
             sig[name] = "*fp32"
@@ -141,6 +143,7 @@ def decode_attention_fwd(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     *,
+    cache_leftpad: torch.Tensor | None = None,
     num_programs: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
@@ -158,6 +161,8 @@ def decode_attention_fwd(
         cache_seqlens: (B,) int32.
         block_table: (B, max_pages_per_seq) int32 or None.
         softmax_scale: multiplier of q.k.
+        cache_leftpad: (B,) int32 or None: sequence b's keys are cache positions
+            [cache_leftpad[b], cache_seqlens[b]) instead of [0, cache_seqlens[b]).
         num_programs: grid size override (tests force tiny and huge grids); default ``grid_size``.
         config: tuning override; default the tuning-table entry.
         counters: (>= B * Hkv * NUM_GC,) int32 zeros, reused across launches (the kernel leaves
@@ -176,7 +181,7 @@ def decode_attention_fwd(
     group = num_q_heads // num_kv_heads
     page_size = k_cache.shape[1] if paged else None
     config = config or get_config(q.device, head_dim, k_cache.dtype)
-    constexprs = kernel_constexprs(config, head_dim, group, k_cache.dtype, page_size)
+    constexprs = kernel_constexprs(config, head_dim, group, k_cache.dtype, page_size, cache_leftpad is not None)
     if num_programs is None:
         num_programs = grid_size(q.device, k_cache.dtype, head_dim, group, page_size)
     block_g, num_gc = constexprs["BLOCK_G"], constexprs["NUM_GC"]
@@ -192,8 +197,11 @@ def decode_attention_fwd(
     # Contiguous (B, Hkv, S, D): b, token, head strides. Paged (pages, page, Hkv, D): page, token, head.
     kv_strides = (0, 2, 1) if not paged else (0, 1, 2)
     bt = block_table if paged else cache_seqlens  # any int32 pointer; never read when not paged
+    # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
+    lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+    leftpad = cache_leftpad if cache_leftpad is not None else cache_seqlens  # never read without it
     launch(decode_attention_fwd_kernel)[(num_programs,)](
-        q, k_cache, v_cache, cache_seqlens, bt, out, lse, ws_acc, ws_ml, counters,
+        q, k_cache, v_cache, lengths, leftpad, bt, out, lse, ws_acc, ws_ml, counters,
         softmax_scale * math.log2(math.e), batch, num_kv_heads, num_programs,
         q.stride(0), q.stride(1),
         *(k_cache.stride(i) for i in kv_strides), *(v_cache.stride(i) for i in kv_strides),

@@ -7,13 +7,14 @@ import math
 import torch
 
 
-def gather_kv(cache: torch.Tensor, b: int, length: int, block_table: torch.Tensor | None) -> torch.Tensor:
-    """Keys (or values) of sequence b as (Hkv, length, D), for a contiguous or a paged cache."""
+def gather_kv(cache: torch.Tensor, b: int, start: int, end: int, block_table: torch.Tensor | None) -> torch.Tensor:
+    """Keys (or values) at positions [start, end) of sequence b as (Hkv, end - start, D), for a
+    contiguous or a paged cache."""
     if block_table is None:
-        return cache[b, :, :length]
+        return cache[b, :, start:end]
     page_size = cache.shape[1]
-    pages = block_table[b, : math.ceil(length / page_size)].long()
-    return cache[pages].flatten(0, 1)[:length].transpose(0, 1)
+    pages = block_table[b, : math.ceil(end / page_size)].long()
+    return cache[pages].flatten(0, 1)[start:end].transpose(0, 1)
 
 
 def decode_attention_ref(
@@ -23,17 +24,19 @@ def decode_attention_ref(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, Hq, D) and lse (B, Hq), both float64; shapes as in ``lean_tp.decode_attention``."""
     batch, num_q_heads, head_dim = q.shape
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
     lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float64)
-    for b, length in enumerate(cache_seqlens.tolist()):
-        if length == 0:
+    starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    for b, (start, end) in enumerate(zip(starts, cache_seqlens.tolist())):
+        if end == start:
             continue
-        k = gather_kv(k_cache, b, length, block_table).double().cpu()
-        v = gather_kv(v_cache, b, length, block_table).double().cpu()
+        k = gather_kv(k_cache, b, start, end, block_table).double().cpu()
+        v = gather_kv(v_cache, b, start, end, block_table).double().cpu()
         group = num_q_heads // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         s = torch.einsum("hd,hnd->hn", q[b].double().cpu(), k) * scale

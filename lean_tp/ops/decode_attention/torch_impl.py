@@ -53,6 +53,7 @@ def decode_attention_torch(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention in plain torch; arguments and results as ``decode_attention_fwd``."""
     batch, num_q_heads, head_dim = q.shape
@@ -60,11 +61,13 @@ def decode_attention_torch(
     group = num_q_heads // num_kv_heads
     q_g = q.view(batch, num_kv_heads, group, head_dim).float() * softmax_scale
     lens = cache_seqlens.view(batch, 1, 1, 1)
+    starts = cache_leftpad.view(batch, 1, 1, 1) if cache_leftpad is not None else None
     m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
     for n0, k, v in _kv_chunks(k_cache, v_cache, block_table):
         s = torch.matmul(q_g, k.float().transpose(-1, -2))
-        valid = torch.arange(n0, n0 + s.shape[-1], device=q.device) < lens
+        pos = torch.arange(n0, n0 + s.shape[-1], device=q.device)
+        valid = pos < lens if starts is None else (pos < lens) & (pos >= starts)
         s = s.masked_fill(~valid, float("-inf"))
         m_c = s.amax(-1)
         p = torch.exp(s - torch.where(torch.isinf(m_c), torch.zeros_like(m_c), m_c)[..., None])
