@@ -1,0 +1,153 @@
+"""attn_implementation="lean" in transformers: same greedy tokens as "sdpa" (Llama, Mistral, Qwen2;
+batch 1 and left-padded batches; DynamicCache and StaticCache), bf16 logits per step, the SDPA
+fallback logged once, and torch.compile of the model with no graph break."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
+
+import lean_tp.integrations.transformers as lean_hf
+
+SMALL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=256, max_position_embeddings=256, pad_token_id=0)
+CONFIGS = {"llama": LlamaConfig(**SMALL), "mistral": MistralConfig(**SMALL), "qwen2": Qwen2Config(**SMALL)}
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """Counts decode-op calls made by the integration, to prove decode steps do not silently fall back."""
+    calls = []
+    real = lean_hf.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lean_hf, "decode_attention", spy)
+    return calls
+
+
+def _pair(arch: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    # Each model gets its own config: from_config records the attention implementation on it.
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[arch]), attn_implementation="sdpa", dtype=dtype)
+    lean = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[arch]), attn_implementation=lean_hf.register(), dtype=dtype)
+    assert sdpa.config._attn_implementation == "sdpa" and lean.config._attn_implementation == "lean"
+    lean.load_state_dict(sdpa.state_dict())
+    return sdpa.eval(), lean.eval()
+
+
+def _batch(case: str):
+    g = torch.Generator().manual_seed(1)
+    if case == "batch1":
+        ids = torch.randint(3, 256, (1, 9), generator=g)
+        return ids, torch.ones_like(ids)
+    ids = torch.randint(3, 256, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5], mask[2, :1] = 0, 0  # left padding, as generate() expects for decoder-only models
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface
+
+    assert lean_hf.register() == "lean" == lean_hf.register()
+    assert AttentionInterface._global_mapping["lean"] is lean_hf.lean_attention_forward
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("case", ["batch1", "left-padded"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_generate_matches_sdpa(arch, case, cache, lean_calls):
+    sdpa, lean = _pair(arch)
+    ids, mask = _batch(case)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    expected = sdpa.generate(ids, **kwargs)
+    got = lean.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    assert len(lean_calls) == 9 * SMALL["num_hidden_layers"]  # every decode step of every layer ran the op
+
+
+def test_bf16_logits_match_sdpa_every_step():
+    """Teacher-forced with SDPA's tokens so both see the same inputs; each step's logits agree."""
+    sdpa, lean = _pair("llama", torch.bfloat16)
+    ids, mask = _batch("left-padded")
+    caches = [DynamicCache(config=sdpa.config), DynamicCache(config=lean.config)]
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
+        for _ in range(8):
+            torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=4e-2, rtol=4e-2)
+            token = logits[0].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            logits = [m(token, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
+
+
+def test_right_padding_falls_back_to_sdpa_logged_once(caplog, lean_calls):
+    """Right padding leaves a gap between prompt and new tokens: not one run, so SDPA, said once."""
+    sdpa, lean = _pair("llama")
+    ids, mask = _batch("left-padded")
+    mask = mask.flip(1)
+    lean_hf._logged.clear()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.INFO, logger="lean_tp"):
+        got = lean.generate(ids, **kwargs)
+    assert torch.equal(got, sdpa.generate(ids, **kwargs))
+    fallbacks = [r for r in caplog.records if "not one contiguous run" in r.getMessage()]
+    assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
+    assert sum("prefill" in r.getMessage() for r in caplog.records) == 1
+    assert lean_calls == []
+
+
+def test_compiled_model_static_cache_no_graph_break(lean_calls):
+    sdpa, lean = _pair("llama")
+    ids, mask = _batch("left-padded")
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    expected = sdpa.generate(ids, **kwargs)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    lean.forward = torch.compile(lean.forward, fullgraph=True)  # fullgraph: any graph break is an error
+    assert torch.equal(lean.generate(ids, **kwargs), expected)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert lean_calls, "the compiled decode graph must contain the lean op"
+
+
+@pytest.mark.parametrize("rows,expect", [
+    ([[0, 0, 1, 1, 1, 0]], ([2], [5], [True])),  # left padding + unfilled static tail
+    ([[1, 1, 1, 1, 1, 1]], ([0], [6], [True])),
+    ([[0, 0, 0, 1, 1, 0]], ([3], [5], [True])),  # sliding window cut
+    ([[1, 1, 0, 0, 1, 0]], ([0], [5], [False])),  # right padding: a gap
+])
+def test_mask_bounds(rows, expect):
+    mask = torch.tensor(rows, dtype=torch.bool)[:, None, None]
+    leftpad, seqlens, contiguous = lean_hf.mask_bounds(mask, 1, mask.shape[-1], torch.device("cpu"))
+    assert (leftpad.tolist(), seqlens.tolist(), contiguous.tolist()) == expect
+    none = lean_hf.mask_bounds(None, 2, 7, torch.device("cpu"))
+    assert none[0].tolist() == [0, 0] and none[1].tolist() == [7, 7] and none[2].all()
+
+
+def test_float_mask_falls_back(lean_calls):
+    sdpa, lean = _pair("llama")
+    attn = lean.model.layers[0].self_attn
+    q, k = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 5, 16)
+    mask = torch.zeros(2, 1, 1, 5)
+    out, _ = lean_hf.lean_attention_forward(attn, q, k, k, mask, scaling=0.25)
+    ref, _ = lean_hf._sdpa(attn, q, k, k, mask, scaling=0.25)
+    torch.testing.assert_close(out, ref)
+    assert lean_calls == []
+
+
+def test_compile_hf_example_checks_against_sdpa():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "compile_hf.py"
+    proc = subprocess.run([sys.executable, str(example), "--check", "--gen", "8"], capture_output=True, text=True,
+                          timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 graph breaks" in proc.stdout and "check: OK" in proc.stdout
