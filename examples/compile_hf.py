@@ -37,15 +37,6 @@ def load(args, attn_implementation: str):
     return model.to(args.device).eval()
 
 
-def left_padded_prompts(lens: list[int], vocab: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and attention_mask (B, max(lens)), padding on the left as generate() expects."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lens)
-    ids = torch.randint(3, vocab, (len(lens), width), generator=g)
-    mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
-    return (ids * mask).to(device), mask.to(device)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="Hugging Face model directory; default a tiny random Llama")
@@ -65,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load(args, lean_hf.register())
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA
     model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
-    ids, mask = left_padded_prompts(lens, model.config.vocab_size, args.seed, args.device)
+    ids, mask = lean_hf.random_left_padded_batch(lens, model.config.vocab_size, args.seed, args.device)
     kwargs = dict(attention_mask=mask, max_new_tokens=args.gen, do_sample=False, cache_implementation="static",
                   pad_token_id=model.config.pad_token_id or 0)
     torch._dynamo.utils.counters.clear()

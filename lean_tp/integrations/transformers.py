@@ -127,3 +127,13 @@ def lean_attention_forward(
         reason = "a mask whose attended positions are not one contiguous run (right padding?)"
     _log_once(reason)
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def random_left_padded_batch(lens: list[int], vocab_size: int, seed: int, device: str | torch.device = "cpu"):
+    """Random prompts of the given lengths, left-padded as ``generate()`` expects for decoder-only
+    models: input_ids and attention_mask, both (B, max(lens)) int64 (the examples' inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lens)
+    ids = torch.randint(3, vocab_size, (len(lens), width), generator=g)
+    mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
+    return (ids * mask).to(device), mask.to(device)
