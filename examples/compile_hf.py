@@ -2,6 +2,7 @@
 
     python examples/compile_hf.py --check                          # tiny random Llama on CPU
     python examples/compile_hf.py --checkpoint /path/to/Llama-3-8B --batch 8 --prompt-len 100,2000 --gen 128
+    python examples/compile_hf.py --config llama-3-8b --batch 8 --prompt-len 4000 --gen 128 [--attention sdpa]
 
 The two lines that matter:
 
@@ -22,9 +23,20 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lean_tp.integrations.transformers as lean_hf
+from lean_tp.model import CONFIGS
 
 TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)
+
+
+def hf_config(name: str) -> LlamaConfig:
+    """A Llama config of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
+    if name == "tiny":
+        return LlamaConfig(**TINY)
+    a = CONFIGS[name]
+    return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+                       num_key_value_heads=a.n_kv_heads, intermediate_size=a.intermediate_size, head_dim=a.head_dim,
+                       rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len, pad_token_id=0)
 
 
 def load(args, attn_implementation: str):
@@ -33,13 +45,17 @@ def load(args, attn_implementation: str):
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, attn_implementation=attn_implementation, dtype=dtype)
     else:
         torch.manual_seed(args.seed)  # the same random weights for the lean and the SDPA copy
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation=attn_implementation, dtype=dtype)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(hf_config(args.config), attn_implementation=attn_implementation, dtype=dtype)
     return model.to(args.device).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="Hugging Face model directory; default a tiny random Llama")
+    p.add_argument("--checkpoint", help="Hugging Face model directory (real weights)")
+    p.add_argument("--config", default="tiny", choices=["tiny", *CONFIGS],
+                   help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)")
+    p.add_argument("--attention", default="lean", choices=["lean", "sdpa"], help="sdpa: the same run without lean")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", default="9,33,64,100", help="one length, or a comma list of --batch lengths")
     p.add_argument("--gen", type=int, default=32)
@@ -53,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(lens) != args.batch:
         raise ValueError(f"--prompt-len: expected 1 or --batch ({args.batch}) lengths, got {args.prompt_len!r}")
 
-    model = load(args, lean_hf.register())
+    model = load(args, lean_hf.register() if args.attention == "lean" else "sdpa")
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA
     model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
     ids, mask = lean_hf.random_left_padded_batch(lens, model.config.vocab_size, args.seed, args.device)
@@ -67,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    print(f"lean attention, compiled with fullgraph=True: {breaks} graph breaks; batch {args.batch}, prompt lengths "
+    print(f"{args.attention} attention, compiled with fullgraph=True: {breaks} graph breaks; batch {args.batch}, prompt lengths "
           f"{args.prompt_len}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)")
     if not args.check:
         return 0

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Single-GPU decode loop for docs/BENCHMARKS.md: llama-3-8b (random weights, bf16), a ragged batch.
 DECODE_TP = ["examples/decode_tp.py", "--model", "llama-3-8b", "--batch", "8", "--gen", "128",
              "--prompt-len", "256,512,1024,2048,4096,6144,7000,7900"]
+COMPILE_HF = ["examples/compile_hf.py", "--config", "llama-3-8b", "--batch", "8", "--prompt-len", "4000", "--gen", "128"]
 DECODE_TP_VARIANTS = {"eager lean": [], "eager sdpa": ["--attention", "sdpa"],
                       "compiled lean": ["--compile"], "compiled sdpa": ["--compile", "--attention", "sdpa"]}
 
@@ -68,6 +69,8 @@ def main() -> int:
         steps.append(run("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", args.out], args.out, 900))
         for label, extra in DECODE_TP_VARIANTS.items():
             steps.append(run(f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], args.out, 600))
+        for attention in ("lean", "sdpa"):  # transformers generate(), compiled, static cache, random 8B weights
+            steps.append(run(f"compile_hf 8b {attention}", [py, *COMPILE_HF, "--attention", attention], args.out, 600))
     print("\n| step | status | seconds |\n|---|---|---|")
     for name, status, seconds in steps:
         print(f"| {name} | {status} | {seconds:.1f} |")
@@ -75,6 +78,10 @@ def main() -> int:
         log = os.path.join(args.out, f"decode_tp 8b {label}.log")
         lines = [l.strip() for l in open(log) if l.startswith(("decode:", "attention:"))] if os.path.exists(log) else []
         print(f"llama-3-8b {label}: {' | '.join(lines) or 'no result'}")
+    for attention in ("lean", "sdpa"):
+        log = os.path.join(args.out, f"compile_hf 8b {attention}.log")
+        lines = [l.strip() for l in open(log) if "tokens/s" in l] if os.path.exists(log) else []
+        print(f"transformers generate llama-3-8b {attention}: {' | '.join(lines) or 'no result'}")
     csv_path = os.path.join(args.out, "bench_decode.csv")
     if os.path.exists(csv_path):
         print("\n" + open(csv_path).read())
