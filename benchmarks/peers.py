@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from flash_decoding import flash_decoding
 
 import lean_tp
-from flash_decoding import flash_decoding
 
 Inputs = dict[str, torch.Tensor]
 

@@ -19,8 +19,15 @@ import sys
 import torch
 
 from lean_tp.distributed import (
-    DistContext, all_ranks_agree, apply_tp, check_shardable, describe_grid, gather_objects, init_distributed,
-    shutdown, torchrun_env,
+    DistContext,
+    all_ranks_agree,
+    apply_tp,
+    check_shardable,
+    describe_grid,
+    gather_objects,
+    init_distributed,
+    shutdown,
+    torchrun_env,
 )
 from lean_tp.generate import Generation, decode_one, generate, make_prompts
 from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model
