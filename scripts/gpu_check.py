@@ -2,7 +2,7 @@
 
 Run it whenever a CUDA GPU is available and record the table in docs/BENCHMARKS.md:
 
-    python scripts/gpu_check.py [--out DIR] [--skip-bench]
+    python scripts/gpu_check.py [--out DIR] [--groups tests sanitizer bench loops]
 
 Results (logs, JUnit XML, benchmark CSV) go to DIR (default: $OUT or ./out/gpu_check).
 """
@@ -40,10 +40,53 @@ def run(name: str, cmd: list[str], out_dir: str, timeout: int) -> tuple[str, str
     return name, status, seconds
 
 
+GROUPS = ("tests", "sanitizer", "bench", "loops")
+
+
+def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[str], int]]:
+    """(name, command, timeout) of each step of the chosen groups, in order."""
+    steps = []
+    if "tests" in groups:
+        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", f"--junitxml={out}/gpu.xml"], 900))
+    if "sanitizer" in groups:
+        sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        for tool in ("memcheck", "racecheck", "synccheck"):
+            cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", py, "scripts/sanitizer_case.py"]
+            steps.append((f"compute-sanitizer {tool}", cmd, 600))
+    if "bench" in groups:
+        steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 900))
+    if "loops" in groups:
+        for label, extra in DECODE_TP_VARIANTS.items():
+            steps.append((f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], 600))
+        for attention in ("lean", "sdpa"):  # transformers generate(), compiled, static cache, random 8B weights
+            steps.append((f"compile_hf 8b {attention}", [py, *COMPILE_HF, "--attention", attention], 600))
+    return steps
+
+
+def summarize(steps: list[tuple[str, str, float]], out: str) -> None:
+    print("\n| step | status | seconds |\n|---|---|---|")
+    for name, status, seconds in steps:
+        print(f"| {name} | {status} | {seconds:.1f} |")
+    for label in DECODE_TP_VARIANTS:
+        log = os.path.join(out, f"decode_tp 8b {label}.log")
+        if os.path.exists(log):
+            lines = [line.strip() for line in open(log) if line.startswith(("decode:", "attention:"))]
+            print(f"llama-3-8b {label}: {' | '.join(lines) or 'no result'}")
+    for attention in ("lean", "sdpa"):
+        log = os.path.join(out, f"compile_hf 8b {attention}.log")
+        if os.path.exists(log):
+            lines = [line.strip() for line in open(log) if "tokens/s" in line]
+            print(f"transformers generate llama-3-8b {attention}: {' | '.join(lines) or 'no result'}")
+    csv_path = os.path.join(out, "bench_decode.csv")
+    if os.path.exists(csv_path):
+        print("\n" + open(csv_path).read())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
-    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS),
+                        help="run only these groups, e.g. one group per time-limited device call")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import torch
@@ -53,39 +96,15 @@ def main() -> int:
         print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton {triton.__version__}")
-    py = sys.executable
-    steps = [
-        run("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", f"--junitxml={args.out}/gpu.xml"], args.out, 900),
-    ]
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    case = [py, "scripts/sanitizer_case.py"]
-    for tool in ("memcheck", "racecheck", "synccheck"):
-        if os.path.exists(sanitizer):
-            steps.append(run(f"compute-sanitizer {tool}", [sanitizer, "--tool", tool, "--error-exitcode", "1", *case], args.out, 600))
-        else:
-            print(f"compute-sanitizer {tool:<10} NOT FOUND")
-            steps.append((f"compute-sanitizer {tool}", "NOT FOUND", 0.0))
-    if not args.skip_bench:
-        steps.append(run("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", args.out], args.out, 900))
-        for label, extra in DECODE_TP_VARIANTS.items():
-            steps.append(run(f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], args.out, 600))
-        for attention in ("lean", "sdpa"):  # transformers generate(), compiled, static cache, random 8B weights
-            steps.append(run(f"compile_hf 8b {attention}", [py, *COMPILE_HF, "--attention", attention], args.out, 600))
-    print("\n| step | status | seconds |\n|---|---|---|")
-    for name, status, seconds in steps:
-        print(f"| {name} | {status} | {seconds:.1f} |")
-    for label in DECODE_TP_VARIANTS:
-        log = os.path.join(args.out, f"decode_tp 8b {label}.log")
-        lines = [l.strip() for l in open(log) if l.startswith(("decode:", "attention:"))] if os.path.exists(log) else []
-        print(f"llama-3-8b {label}: {' | '.join(lines) or 'no result'}")
-    for attention in ("lean", "sdpa"):
-        log = os.path.join(args.out, f"compile_hf 8b {attention}.log")
-        lines = [l.strip() for l in open(log) if "tokens/s" in l] if os.path.exists(log) else []
-        print(f"transformers generate llama-3-8b {attention}: {' | '.join(lines) or 'no result'}")
-    csv_path = os.path.join(args.out, "bench_decode.csv")
-    if os.path.exists(csv_path):
-        print("\n" + open(csv_path).read())
-    return 0 if all(s == "PASS" for _, s, _ in steps) else 1
+    results = []
+    for name, cmd, timeout in planned_steps(args.groups, sys.executable, args.out):
+        if not (shutil.which(cmd[0]) or os.path.exists(cmd[0])):
+            print(f"{name:<28} NOT FOUND")
+            results.append((name, "NOT FOUND", 0.0))
+            continue
+        results.append(run(name, cmd, args.out, timeout))
+    summarize(results, args.out)
+    return 0 if all(s == "PASS" for _, s, _ in results) else 1
 
 
 if __name__ == "__main__":
