@@ -55,6 +55,9 @@ def _sdpa(s: Inputs):
 
 
 _FLEX_COMPILED = {}
+# Flex is compiled for static shapes, so every benchmark shape is one recompile of flex_attention.
+# Past Dynamo's default limit of 8 it would silently run eager (unfused) Flex for the later rows.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
 
 
 def _flex(s: Inputs):
