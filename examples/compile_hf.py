@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lean_tp.integrations.transformers as lean_hf
+from lean_tp.generate import parse_prompt_lens
 from lean_tp.model import CONFIGS
 
 TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -64,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare every token with an eager SDPA copy")
     args = p.parse_args(argv)
-    lens = [int(x) for x in args.prompt_len.split(",")]
-    lens = lens * args.batch if len(lens) == 1 else lens
-    if len(lens) != args.batch:
-        raise ValueError(f"--prompt-len: expected 1 or --batch ({args.batch}) lengths, got {args.prompt_len!r}")
+    lens = parse_prompt_lens(args.prompt_len, args.batch)
 
     model = load(args, lean_hf.register() if args.attention == "lean" else "sdpa")
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA

@@ -29,7 +29,8 @@ from lean_tp.distributed import (
     shutdown,
     torchrun_env,
 )
-from lean_tp.generate import Generation, decode_one, generate, make_prompts
+from lean_tp.distributed.env import DEFAULT_TIMEOUT_S
+from lean_tp.generate import Generation, decode_one, generate, make_prompts, parse_prompt_lens
 from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model
 from lean_tp.profiling import attention_fraction
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
@@ -57,23 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attention", choices=("lean", "sdpa"), default="lean", help="decode attention")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the job")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck collective fails the job")
     p.add_argument("--check", action="store_true", help="compare against the same model in one process")
     return p.parse_args(argv)
-
-
-def parse_prompt_lens(text: str, batch: int) -> list[int]:
-    try:
-        lens = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--prompt-len: expected an integer or a comma list of integers, got {text!r}") from None
-    if batch < 1:
-        raise ValueError(f"--batch: expected >= 1, got {batch}")
-    if len(lens) == 1:
-        lens = lens * batch
-    if len(lens) != batch or min(lens) < 1:
-        raise ValueError(f"--prompt-len: expected 1 or --batch ({batch}) lengths, each >= 1, got {text!r}")
-    return lens
 
 
 def model_config(args: argparse.Namespace) -> ModelArgs:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from lean_tp.generate import parse_prompt_lens
 from lean_tp.integrations.deepspeed import init_inference
 from lean_tp.integrations.transformers import random_left_padded_batch
 
@@ -50,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare every token with the unsharded model")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
-    lens = [int(x) for x in args.prompt_len.split(",")]
-    lens = lens * args.batch if len(lens) == 1 else lens
-    if len(lens) != args.batch:
-        raise ValueError(f"--prompt-len: expected 1 or --batch ({args.batch}) lengths, got {args.prompt_len!r}")
+    lens = parse_prompt_lens(args.prompt_len, args.batch)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
     model = load(args)

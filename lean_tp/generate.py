@@ -35,6 +35,21 @@ class Generation:
     margins: torch.Tensor | None = None  # (B, gen) float32, CPU, when forced: max logit - forced token's logit
 
 
+def parse_prompt_lens(text: str, batch: int) -> list[int]:
+    """``--prompt-len`` of the examples: one length for every sequence, or one per sequence."""
+    try:
+        lens = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-len: expected an integer or a comma list of integers, got {text!r}") from None
+    if batch < 1:
+        raise ValueError(f"--batch: expected >= 1, got {batch}")
+    if len(lens) == 1:
+        lens = lens * batch
+    if len(lens) != batch or min(lens) < 1:
+        raise ValueError(f"--prompt-len: expected 1 or --batch ({batch}) lengths, each >= 1, got {text!r}")
+    return lens
+
+
 def make_prompts(prompt_lens: list[int], vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
     """(B, max(prompt_lens)) int64 random token ids, right-padded with 0."""
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,6 @@ padded into attention.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -297,7 +296,3 @@ def build_model(args: ModelArgs | str, device: torch.device | str = "meta") -> T
     with torch.device(device):
         return Transformer(args)
 
-
-def with_overrides(args: ModelArgs, **changes) -> ModelArgs:
-    """A copy of ``args`` with some fields changed (test and benchmark variants of a config)."""
-    return dataclasses.replace(args, **changes)

@@ -1,7 +1,6 @@
 """examples/decode_tp.py under torchrun (gloo, CPU): TP equals one process for 1-8 ranks, compiled
 and eager; bad configurations fail on every rank; a failing, dead or stuck rank ends the job."""
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -10,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from lean_tp.generate import parse_prompt_lens
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_tp.py"
@@ -108,13 +109,6 @@ def test_torchrun_stops_all_ranks_when_one_raises():
     assert time.monotonic() - start < 60  # well before the 60 s collective timeout would fire
 
 
-def _example_module():
-    spec = importlib.util.spec_from_file_location("decode_tp", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("text,batch,match", [
     ("5,6", 3, r"expected 1 or --batch \(3\) lengths"),
     ("5,0", 2, "each >= 1"),
@@ -123,10 +117,9 @@ def _example_module():
 ])
 def test_bad_prompt_lengths(text, batch, match):
     with pytest.raises(ValueError, match=match):
-        _example_module().parse_prompt_lens(text, batch)
+        parse_prompt_lens(text, batch)
 
 
 def test_prompt_lengths():
-    parse = _example_module().parse_prompt_lens
-    assert parse("7", 3) == [7, 7, 7]
-    assert parse("1,2,3", 3) == [1, 2, 3]
+    assert parse_prompt_lens("7", 3) == [7, 7, 7]
+    assert parse_prompt_lens("1,2,3", 3) == [1, 2, 3]

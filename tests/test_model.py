@@ -2,6 +2,7 @@
 weight loading and its errors, and torch.compile of the decode step."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from lean_tp.generate import decode_one, generate, make_prompts
-from lean_tp.model import CONFIGS, ModelArgs, build_model, rope_inv_freq, with_overrides
+from lean_tp.model import CONFIGS, ModelArgs, build_model, rope_inv_freq
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
 
 SMALL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -23,7 +24,7 @@ HF_MODELS = {
     "phi3-fused": (Phi3ForCausalLM, Phi3Config(**SMALL, pad_token_id=0, eos_token_id=1)),
 }
 # A small Llama with head_dim 64 so that the Triton kernel (D in {64, 128, 256}) can run it.
-SMALL_ARGS = with_overrides(CONFIGS["tiny"], vocab_size=128, dim=256, n_heads=4, n_kv_heads=2, intermediate_size=256)
+SMALL_ARGS = replace(CONFIGS["tiny"], vocab_size=128, dim=256, n_heads=4, n_kv_heads=2, intermediate_size=256)
 
 
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))
@@ -121,8 +122,8 @@ def test_graph_holds_the_lean_op():
 
 
 def test_llama3_rope_scaling_keeps_high_and_scales_low_frequencies():
-    args = with_overrides(CONFIGS["llama-3.1-8b"])
-    base = rope_inv_freq(with_overrides(args, rope_scaling=None))
+    args = CONFIGS["llama-3.1-8b"]
+    base = rope_inv_freq(replace(args, rope_scaling=None))
     scaled = rope_inv_freq(args)
     assert torch.equal(scaled[:8], base[:8])  # short wavelengths untouched
     torch.testing.assert_close(scaled[-4:], base[-4:] / 8)  # long ones divided by the factor
@@ -157,9 +158,9 @@ def test_load_hf_checkpoint_errors(hf_checkpoint, tmp_path):
     _, path = hf_checkpoint
     args = read_hf_config(path)
     with pytest.raises(ValueError, match="expected tensor"):
-        load_hf_checkpoint(build_model(with_overrides(args, n_layers=3)), path, "cpu", torch.float32)
+        load_hf_checkpoint(build_model(replace(args, n_layers=3)), path, "cpu", torch.float32)
     with pytest.raises(ValueError, match="of shape"):
-        load_hf_checkpoint(build_model(with_overrides(args, intermediate_size=128)), path, "cpu", torch.float32)
+        load_hf_checkpoint(build_model(replace(args, intermediate_size=128)), path, "cpu", torch.float32)
     _write_config(tmp_path)
     with pytest.raises(ValueError, match="safetensors"):
         load_hf_checkpoint(build_model(args), tmp_path, "cpu", torch.float32)
@@ -167,7 +168,7 @@ def test_load_hf_checkpoint_errors(hf_checkpoint, tmp_path):
 
 def test_bad_model_args_and_lengths():
     with pytest.raises(ValueError, match="n_heads: expected a multiple of n_kv_heads"):
-        with_overrides(SMALL_ARGS, n_kv_heads=3)
+        replace(SMALL_ARGS, n_kv_heads=3)
     with pytest.raises(ValueError, match="model: expected one of"):
         build_model("llama-9")
     model = _random_model(SMALL_ARGS, 2, 16)

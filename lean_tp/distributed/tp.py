@@ -45,7 +45,6 @@ class HeadPlan:
     n_q: int
     kv_start: int
     n_kv: int
-    kv_replicas: int  # ranks holding each KV head (1 without replication)
 
 
 def plan_heads(n_heads: int, n_kv_heads: int, world_size: int, rank: int) -> HeadPlan:
@@ -57,10 +56,10 @@ def plan_heads(n_heads: int, n_kv_heads: int, world_size: int, rank: int) -> Hea
     group = n_heads // n_kv_heads
     if n_kv_heads % world_size == 0:
         n_kv = n_kv_heads // world_size
-        return HeadPlan(rank * n_q, n_q, rank * n_kv, n_kv, 1)
+        return HeadPlan(rank * n_q, n_q, rank * n_kv, n_kv)
     if group % n_q == 0:
         # Each rank's query heads lie in one KV group: replicate that KV head on group // n_q ranks.
-        return HeadPlan(rank * n_q, n_q, rank * n_q // group, 1, group // n_q)
+        return HeadPlan(rank * n_q, n_q, rank * n_q // group, 1)
     raise ValueError(
         "cannot shard attention: expected n_kv_heads divisible by world_size, or world_size a multiple "
         f"of n_kv_heads so that each KV head can be replicated, got {what}"
@@ -109,7 +108,6 @@ def apply_tp(model: Transformer, rank: int, world_size: int, group: dist.Process
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected in [0, {world_size}), got {rank}")
     model.tp_shards = {}
-    model.tp_rank, model.tp_world_size = rank, world_size
     if world_size == 1:
         return
     plan = plan_heads(args.n_heads, args.n_kv_heads, world_size, rank)

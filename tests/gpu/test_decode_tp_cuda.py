@@ -4,16 +4,18 @@ lengths matches eager, and the compiled (reduce-overhead, fullgraph) loop matche
 Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lean_tp.generate import decode_one, generate, make_prompts
-from lean_tp.model import CONFIGS, build_model, with_overrides
+from lean_tp.model import CONFIGS, build_model
 from lean_tp.weights import init_random_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ARGS = with_overrides(CONFIGS["tiny"], n_heads=16, n_kv_heads=4, dim=2048, max_seq_len=8192)  # D=128, group 4
+ARGS = replace(CONFIGS["tiny"], n_heads=16, n_kv_heads=4, dim=2048, head_dim=128, max_seq_len=8192)  # group 4
 
 
 def _model(dtype, batch, capacity):
