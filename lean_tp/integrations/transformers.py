@@ -25,9 +25,10 @@ from lean_tp.ops.tuning import SUPPORTED_HEAD_DIMS
 NAME = "lean"
 logger = logging.getLogger("lean_tp")
 _logged: set[str] = set()
-# The last mask checked on the host (eager only) and its verdict: every layer of one forward gets
-# the same mask tensor, so this is one host sync per forward, not per layer.
-_last_mask: list = [None, False]
+# The last mask seen in eager mode and what it gives: (cache_leftpad, cache_seqlens), or None when
+# its rows are not one run. Every layer of one forward gets the same mask tensor, so the bounds
+# and the host check on them are computed once per forward, not once per layer.
+_last_mask: list = [None, None]
 
 
 def register() -> str:
@@ -88,17 +89,19 @@ def mask_bounds(attention_mask: torch.Tensor | None, batch: int, kv_length: int,
     return start.to(torch.int32), end.to(torch.int32), contiguous
 
 
-def _mask_is_contiguous(attention_mask: torch.Tensor | None, contiguous: torch.Tensor) -> bool:
-    """Eager: check on the host, once per mask. Compiled: no host sync; a device-side assert makes
-    a non-contiguous mask fail loudly instead of giving a wrong answer."""
-    if attention_mask is None:
-        return True
-    if torch.compiler.is_compiling():
-        torch._assert_async(contiguous.all(), "lean attention: mask rows are not one contiguous run (right padding?)")
-        return True
+def _decode_bounds(attention_mask: torch.Tensor | None, batch: int, kv_length: int, device: torch.device):
+    """(cache_leftpad, cache_seqlens) for the decode op, or None if a row's attended positions are
+    not one contiguous run. Eager: checked on the host, once per mask. Compiled: no host sync; a
+    device-side assert makes a non-contiguous mask fail loudly instead of giving a wrong answer."""
+    if attention_mask is None or torch.compiler.is_compiling():
+        leftpad, seqlens, contiguous = mask_bounds(attention_mask, batch, kv_length, device)
+        if attention_mask is not None:
+            torch._assert_async(contiguous.all(), "lean attention: mask rows are not one contiguous run (right padding?)")
+        return leftpad, seqlens
     seen = _last_mask[0]
     if seen is None or seen() is not attention_mask:
-        _last_mask[:] = [weakref.ref(attention_mask), bool(contiguous.all())]
+        leftpad, seqlens, contiguous = mask_bounds(attention_mask, batch, kv_length, device)
+        _last_mask[:] = [weakref.ref(attention_mask), (leftpad, seqlens) if bool(contiguous.all()) else None]
     return _last_mask[1]
 
 
@@ -116,9 +119,9 @@ def lean_attention_forward(
     layer's whole cache; attention_mask (B, 1, q_len, kv_len) bool or None. Returns (B, q_len, Hq, D)."""
     reason = _unsupported(query, attention_mask, dropout, kwargs)
     if reason is None:
-        batch, kv_length = query.shape[0], key.shape[2]
-        leftpad, seqlens, contiguous = mask_bounds(attention_mask, batch, kv_length, query.device)
-        if _mask_is_contiguous(attention_mask, contiguous):
+        bounds = _decode_bounds(attention_mask, query.shape[0], key.shape[2], query.device)
+        if bounds is not None:
+            leftpad, seqlens = bounds
             out = decode_attention(
                 query[:, :, 0], key, value, seqlens, cache_leftpad=leftpad,
                 softmax_scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
