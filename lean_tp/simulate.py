@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lean_tp.ops.decode_attention.launcher import lean_schedule
-from lean_tp.ops.tuning import MIN_TILES_PER_PROGRAM, TUNING_TABLE, block_g_for
+from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule
+from lean_tp.ops.tuning import TUNING_TABLE
 
 # Tuning-table architecture of each simulated GPU. B200 (148 SMs) has no table row of its own yet,
 # so it uses the Hopper one.
@@ -144,16 +144,12 @@ def lean_config(problem: Problem, sms: int):
 def lean_sim_schedule(problem: Problem, sms: int, programs_per_sm: int | None = None) -> Schedule:
     """The kernel's stream-K schedule on ``sms`` SMs, from the kernel's own schedule code."""
     config = lean_config(problem, sms)
-    per_sm = programs_per_sm or config.max_programs_per_sm
-    group = problem.n_heads // problem.n_kv_heads
-    num_gc = math.ceil(group / block_g_for(group, config))
+    grid = sms * (programs_per_sm or config.max_programs_per_sm)
+    dtype = {2: torch.float16, 4: torch.float32}[problem.elem_size]
+    num_gc = kernel_constexprs(config, problem.head_dim, problem.n_heads // problem.n_kv_heads, dtype, None)["NUM_GC"]
     head_units, tile = problem.n_kv_heads * num_gc, config.tile_n
-    total = head_units * sum(math.ceil(n / tile) for n in problem.lens)
-    grid = sms * per_sm
-    active = max(min(grid, total // MIN_TILES_PER_PROGRAM), 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    seqlens = torch.tensor(problem.lens, dtype=torch.int32, device=device)
-    programs = lean_schedule(seqlens, head_units, tile, grid, max_segments=math.ceil(total / active) + 2)
+    programs = lean_schedule(torch.tensor(problem.lens, dtype=torch.int32, device=device), head_units, tile, grid)
     work, clock, bars = [0] * sms, [0] * sms, []
     split_outputs = set()
     for p, segments in enumerate(programs):

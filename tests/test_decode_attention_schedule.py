@@ -88,3 +88,14 @@ def test_merge_operator_is_associative_for_any_split(n, cuts, seed, right_to_lef
     m, l, o = acc
     torch.testing.assert_close(o / l[:, None], torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v))
     torch.testing.assert_close(m + torch.log(l), torch.logsumexp(s, -1))
+
+
+@needs_kernel
+def test_schedule_makes_room_for_many_segments():
+    """300 one-tile sequences on 2 programs: 150 segments each, past the first 64 slots."""
+    seqlens = torch.ones(300, dtype=torch.int32, device=DEVICE)
+    programs = lean_schedule(seqlens, 1, 16, 2)
+    assert [len(segments) for segments in programs] == [150, 150]
+    assert sorted(b for segments in programs for b, *_ in segments) == list(range(300))
+    with pytest.raises(ValueError, match="max_segments: expected at least 150"):
+        lean_schedule(seqlens, 1, 16, 2, max_segments=64)

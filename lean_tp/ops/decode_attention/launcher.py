@@ -213,7 +213,7 @@ def decode_attention_fwd(
 
 
 def lean_schedule(
-    cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int = 64
+    cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None
 ) -> list[list[tuple[int, int, int, int, int]]]:
     """The kernel's stream-K schedule, computed by the kernel's own schedule code.
 
@@ -221,6 +221,8 @@ def lean_schedule(
         cache_seqlens: (B,) int32, on CUDA or on CPU under the Triton interpreter.
         head_units: KV heads x row blocks per KV head (``Hkv * NUM_GC``).
         tile_n: LeanTile size in tokens; num_programs: launched grid size.
+        max_segments: room for segments per program; ``ValueError`` if a program has more. By
+            default as much as needed: too little room reruns with the count the kernel reported.
 
     Returns:
         One list per active program of segments ``(b, head_unit, first_tile, n_tiles, contributors)``,
@@ -229,14 +231,19 @@ def lean_schedule(
     from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 
     device = cache_seqlens.device
-    segs = torch.full((num_programs, max_segments, 5), -1, dtype=torch.int32, device=device)
-    nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
-    lean_schedule_kernel[(num_programs,)](
-        cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs,
-        TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=max_segments,
-    )  # fmt: skip
-    counts = nseg.tolist()
-    if max(counts) > max_segments:
-        raise ValueError(f"max_segments: expected at least {max(counts)} (the most any program has), got {max_segments}")
+    room = max_segments or 64
+    while True:
+        segs = torch.full((num_programs, room, 5), -1, dtype=torch.int32, device=device)
+        nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
+        lean_schedule_kernel[(num_programs,)](
+            cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs,
+            TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=room,
+        )  # fmt: skip
+        counts = nseg.tolist()
+        if max(counts) <= room:
+            break
+        if max_segments is not None:
+            raise ValueError(f"max_segments: expected at least {max(counts)} (the most any program has), got {max_segments}")
+        room = triton.next_power_of_2(max(counts))  # a power of two: few MAX_SEGS variants to compile
     rows = segs.tolist()
     return [[tuple(s) for s in rows[p][:n]] for p, n in enumerate(counts) if n >= 0]
