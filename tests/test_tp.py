@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lean_tp.distributed import apply_tp, check_shardable, plan_heads, torchrun_env
+from lean_tp.distributed import apply_tp, check_shardable, describe_grid, plan_heads, torchrun_env
 from lean_tp.distributed.env import init_distributed
 from lean_tp.generate import decode_one
 from lean_tp.model import CONFIGS, build_model
@@ -135,3 +135,13 @@ def test_bad_device_and_timeout(monkeypatch):
             init_distributed("cuda")
     ctx = init_distributed("cpu")
     assert (ctx.rank, ctx.world_size, ctx.group) == (0, 1, None)
+
+
+def test_describe_grid_follows_the_ops_backend_rule():
+    model = build_model("tiny")
+    init_random_weights(model, 0, "cpu", torch.float32)
+    assert describe_grid(model) == "torch backend on cpu (no kernel grid)"  # "auto" on CPU
+    model.set_attention("lean", "triton")  # the interpreter (tests set TRITON_INTERPRET=1)
+    assert describe_grid(model) == "Triton interpreter on cpu: 4 programs"
+    model.set_attention("sdpa")
+    assert describe_grid(model) == "sdpa attention on cpu (no Lean grid)"
