@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule
-from lean_tp.ops.tuning import TUNING_TABLE
+from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
+from lean_tp.ops.decode_attention.tuning import config_for
+from lean_tp.ops.utils import interpreted
 
 # Tuning-table architecture of each simulated GPU. B200 (148 SMs) has no table row of its own yet,
 # so it uses the Hopper one.
 ARCH_BY_SMS = {108: "sm80", 132: "sm90", 148: "sm90"}
 GPU_NAMES = {108: "A100", 132: "H100/H200", 148: "B200"}
 METHODS = ("lean", "fa2", "flex")
+ELEM_DTYPES = {2: torch.float16, 4: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Problem:
             raise ValueError(f"n_heads: expected a multiple of n_kv_heads={self.n_kv_heads}, got {self.n_heads}")
         if self.capacity and self.capacity < max(self.lens):
             raise ValueError(f"capacity: expected >= max(lens)={max(self.lens)}, got {self.capacity}")
+        config_for("sm90", self.head_dim, ELEM_DTYPES[self.elem_size])  # ValueError for a head_dim with no kernel
 
     @property
     def kv_len(self) -> int:
@@ -137,15 +141,14 @@ def fixed_split_schedule(method: str, problem: Problem, sms: int, splits: int, b
 
 
 def lean_config(problem: Problem, sms: int):
-    arch = ARCH_BY_SMS.get(sms, "sm90")
-    return TUNING_TABLE[(arch, problem.head_dim, problem.elem_size)]
+    return config_for(ARCH_BY_SMS.get(sms, "sm90"), problem.head_dim, ELEM_DTYPES[problem.elem_size])
 
 
 def lean_sim_schedule(problem: Problem, sms: int, programs_per_sm: int | None = None) -> Schedule:
     """The kernel's stream-K schedule on ``sms`` SMs, from the kernel's own schedule code."""
     config = lean_config(problem, sms)
     grid = sms * (programs_per_sm or config.max_programs_per_sm)
-    dtype = {2: torch.float16, 4: torch.float32}[problem.elem_size]
+    dtype = ELEM_DTYPES[problem.elem_size]
     num_gc = kernel_constexprs(config, problem.head_dim, problem.n_heads // problem.n_kv_heads, dtype, None)["NUM_GC"]
     head_units, tile = problem.n_kv_heads * num_gc, config.tile_n
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,9 +244,7 @@ def paper_problems() -> list[Problem]:
 
 def _ensure_schedule_backend(argv: list[str]) -> None:
     """The schedule kernel needs CUDA or the interpreter, chosen before lean_tp's kernels are defined."""
-    from lean_tp.ops.library import interpreter_enabled
-
-    if torch.cuda.is_available() or interpreter_enabled():
+    if torch.cuda.is_available() or interpreted(lean_schedule_kernel):
         return
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("simulate: TRITON_INTERPRET=1 is set but lean_tp's kernels were defined without it")
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--lens", default="16384", help="one length for every sequence, or a comma list (ragged)")
     p.add_argument("--capacity", type=int, default=0, help="KV cache capacity fixed-split kernels size splits from")
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--programs-per-sm", type=int, help="lean grid = SMs x this (default: the tuning table's cap)")
     p.add_argument("--paper", action="store_true", help="print the table for the paper's shapes instead")
     p.add_argument("--plot", help="write a Gantt chart (lean vs FA2, first --sms) to this PNG")

@@ -11,12 +11,14 @@ import torch
 from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
+from lean_tp.ops.decode_attention import CacheLayout
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import alloc_workspace, decode_attention_fwd, grid_size, kernel_constexprs
-from lean_tp.ops.library import interpreter_enabled
-from lean_tp.ops.tuning import DecodeConfig, get_config
+from lean_tp.ops.decode_attention.tuning import DecodeConfig, get_config
+from lean_tp.ops.utils import interpreted
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not interpreter_enabled(), reason="interpreter tests; CUDA runs tests/gpu"
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
 )
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -38,12 +40,12 @@ def length_sets(tile: int) -> dict[str, list[int]]:
 
 def run_kernel(inputs: dict, num_programs: int | None = None, config: DecodeConfig | None = None, counters=None):
     """Launch with NaN-filled out, lse and workspace; returns (out, lse)."""
-    q, k = inputs["q"], inputs["k_cache"]
-    paged = inputs["block_table"] is not None
-    num_kv_heads = k.shape[2] if paged else k.shape[1]
+    q = inputs["q"]
+    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
+    group = q.shape[1] // layout.num_kv_heads
     config = config or get_config(q.device, q.shape[-1], q.dtype)
-    cx = kernel_constexprs(config, q.shape[-1], q.shape[1] // num_kv_heads, q.dtype, k.shape[1] if paged else None)
-    num_programs = num_programs or grid_size(q.device, q.dtype, q.shape[-1], q.shape[1] // num_kv_heads)
+    cx = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size)
+    num_programs = num_programs or grid_size(q.device, q.dtype, q.shape[-1], group)
     workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], q.device))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from lean_tp.ops.tuning import TUNING_TABLE
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 
 DTYPES = {2: ("float16", "bfloat16"), 4: ("float32",)}
 GPU_ENTRIES = [key for key in TUNING_TABLE if key[0] != "interp"]

@@ -69,9 +69,9 @@ def test_unsupported_head_dim_for_triton():
 
 
 def test_triton_on_cpu_without_interpreter(monkeypatch):
-    from lean_tp.ops import library
+    from lean_tp.ops.decode_attention import checks
 
-    monkeypatch.setattr(library, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(checks, "interpreted", lambda kernel: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         lean_tp.decode_attention(**_base(), backend="triton")
 

@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lean_tp.ops.decode_attention import merge_partials
-from lean_tp.ops.decode_attention.launcher import lean_schedule
-from lean_tp.ops.library import interpreter_enabled
-from lean_tp.ops.tuning import MIN_TILES_PER_PROGRAM
+from lean_tp.ops.decode_attention import lean_schedule, merge_partials
+from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
+from lean_tp.ops.decode_attention.tuning import MIN_TILES_PER_PROGRAM
+from lean_tp.ops.utils import interpreted
 
 needs_kernel = pytest.mark.skipif(
-    not (torch.cuda.is_available() or interpreter_enabled()), reason="needs CUDA or TRITON_INTERPRET=1"
+    not (torch.cuda.is_available() or interpreted(lean_schedule_kernel)), reason="needs CUDA or TRITON_INTERPRET=1"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,8 +21,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from lean_tp.model import ModelArgs, Transformer
+from lean_tp.ops.decode_attention.checks import uses_triton
 from lean_tp.ops.decode_attention.launcher import grid_size
-from lean_tp.ops.library import uses_triton
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ def describe_grid(model: Transformer) -> str:
     device = weight.device
     if attn.impl != "lean":
         return f"{attn.impl} attention on {device} (no Lean grid)"
-    # The op's own backend rule, asked with an empty query of this rank's head_dim.
-    if not uses_triton(torch.empty(0, 0, attn.head_dim, device=device, dtype=weight.dtype), attn.backend):
+    if not uses_triton(device, attn.head_dim, weight.dtype, attn.backend):
         return f"torch backend on {device} (no kernel grid)"
     programs = grid_size(device, weight.dtype, attn.head_dim, attn.n_heads // attn.n_kv_heads)
     if device.type != "cuda":

@@ -19,8 +19,7 @@ import weakref
 
 import torch
 
-from lean_tp.ops import decode_attention
-from lean_tp.ops.tuning import SUPPORTED_HEAD_DIMS
+from lean_tp.ops.decode_attention import decode_attention, kernel_support
 
 NAME = "lean"
 logger = logging.getLogger("lean_tp")
@@ -69,8 +68,8 @@ def _unsupported(query: torch.Tensor, attention_mask: torch.Tensor | None, dropo
     for name in ("softcap", "s_aux", "position_bias", "sinks"):
         if kwargs.get(name) is not None:
             return f"{name} is not supported by the decode op"
-    if query.is_cuda and query.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {query.shape[-1]} has no Triton kernel (supported: {SUPPORTED_HEAD_DIMS})"
+    if query.is_cuda:  # "auto" runs the Triton kernel on CUDA: ask whether it takes this call
+        return kernel_support(query.device, query.shape[-1], query.dtype)
     return None
 
 

@@ -10,7 +10,7 @@ from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, grid_size
-from lean_tp.ops.tuning import get_config
+from lean_tp.ops.decode_attention.tuning import get_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

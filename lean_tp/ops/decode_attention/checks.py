@@ -1,4 +1,4 @@
-"""Input validation for ``decode_attention``.
+"""Input validation for ``decode_attention``, and the one rule for which calls the Triton kernel takes.
 
 Every check here reads only shapes, strides, dtypes and devices, so it costs no host sync and
 runs unchanged under ``torch.compile``. Checks that must read tensor values (lengths within the
@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 
 import torch
+
+from lean_tp.ops.decode_attention.cache import SHAPES, CacheLayout
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.tuning import get_config
+from lean_tp.ops.utils import interpreted
 
 BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,9 +63,8 @@ def check_inputs(
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
     paged = block_table is not None
-    layout = "(num_pages, page_size, Hkv, D) with block_table" if paged else "(B, Hkv, S_max, D)"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, cache, 4, layout)
+        _check_tensor(name, cache, 4, SHAPES[paged])
         if cache.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {cache.dtype}")
         if cache.device != q.device:
@@ -71,7 +75,10 @@ def check_inputs(
             raise ValueError(f"{name}: expected head_dim {head_dim} (q's last dim), got shape {tuple(cache.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    num_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
+    if paged:
+        _check_paged(block_table, k_cache, batch, q.device)
+    layout = CacheLayout.of(k_cache, v_cache, block_table)
+    num_kv_heads = layout.num_kv_heads
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}")
     if not paged and k_cache.shape[0] != batch:
@@ -85,10 +92,8 @@ def check_inputs(
         _check_int32("cache_leftpad", cache_leftpad, q.device)
         if cache_leftpad.shape[0] != batch:
             raise ValueError(f"cache_leftpad: expected shape ({batch},), got {tuple(cache_leftpad.shape)}")
-    if paged:
-        _check_paged(block_table, k_cache, batch, q.device)
     if os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
-        _check_values(k_cache, cache_seqlens, block_table, cache_leftpad)
+        _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad)
 
 
 def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -102,16 +107,12 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
         raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two >= 16, got {page_size}")
 
 
-def capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
-    """Most tokens a sequence can hold: S_max, or max_pages_per_seq * page_size."""
-    return k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-
-
 def _check_values(
-    k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, cache_leftpad: torch.Tensor | None
+    layout: CacheLayout, num_rows: int, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
 ) -> None:
     """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device."""
-    cap = capacity(k_cache, block_table)
+    cap = layout.capacity
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
     if not (lo >= 0 and hi <= cap):
         raise ValueError(f"cache_seqlens: expected values in [0, {cap}] (the cache capacity), got min {lo}, max {hi}")
@@ -120,10 +121,38 @@ def _check_values(
             f"cache_leftpad: expected 0 <= cache_leftpad[b] <= cache_seqlens[b], got {cache_leftpad.tolist()[:8]} "
             f"with cache_seqlens {cache_seqlens.tolist()[:8]}"
         )
-    if block_table is not None and block_table.numel():
-        page_size = k_cache.shape[1]
-        used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < cache_seqlens[:, None]
+    if layout.paged and block_table.numel():
+        used = torch.arange(block_table.shape[1], device=block_table.device) * layout.page_size < cache_seqlens[:, None]
         pages = block_table[used]
-        bad = pages[(pages < 0) | (pages >= k_cache.shape[0])]
+        bad = pages[(pages < 0) | (pages >= num_rows)]
         if bad.numel() != 0:
-            raise ValueError(f"block_table: expected page indices in [0, {k_cache.shape[0]}) for used pages, got {bad[:4].tolist()}")
+            raise ValueError(f"block_table: expected page indices in [0, {num_rows}) for used pages, got {bad[:4].tolist()}")
+
+
+def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot take a call on ``device`` with this head_dim and dtype, or None.
+
+    The one home of that rule: the op's dispatch, the transformers integration, the simulator and
+    the tensor-parallel grid report all ask here.
+    """
+    if device.type != "cuda" and not interpreted(decode_attention_fwd_kernel):
+        return (
+            f"backend: 'triton' on {device.type} tensors runs through the Triton interpreter; "
+            "expected TRITON_INTERPRET=1 set before lean_tp is imported, got it unset"
+        )
+    try:
+        get_config(device, head_dim, dtype)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str) -> bool:
+    """Which implementation a call runs; raises ``ValueError`` when "triton" is asked for (or "auto"
+    on CUDA) and the kernel cannot take the call."""
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return False
+    reason = kernel_support(device, head_dim, dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    return True

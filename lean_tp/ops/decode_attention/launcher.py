@@ -13,8 +13,10 @@ from typing import Any, Callable
 import torch
 import triton
 
+from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.tuning import (
+from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
+from lean_tp.ops.decode_attention.tuning import (
     INTERPRETER_PROGRAMS,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
@@ -176,14 +178,13 @@ def decode_attention_fwd(
         out (B, Hq, D) in q's dtype and lse (B, Hq) float32, natural log.
     """
     batch, num_q_heads, head_dim = q.shape
-    paged = block_table is not None
-    num_kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
+    layout = CacheLayout.of(k_cache, v_cache, block_table)
+    num_kv_heads = layout.num_kv_heads
     group = num_q_heads // num_kv_heads
-    page_size = k_cache.shape[1] if paged else None
-    config = config or get_config(q.device, head_dim, k_cache.dtype)
-    constexprs = kernel_constexprs(config, head_dim, group, k_cache.dtype, page_size, cache_leftpad is not None)
+    config = config or get_config(q.device, head_dim, layout.dtype)
+    constexprs = kernel_constexprs(config, head_dim, group, layout.dtype, layout.page_size, cache_leftpad is not None)
     if num_programs is None:
-        num_programs = grid_size(q.device, k_cache.dtype, head_dim, group, page_size)
+        num_programs = grid_size(q.device, layout.dtype, head_dim, group, layout.page_size)
     block_g, num_gc = constexprs["BLOCK_G"], constexprs["NUM_GC"]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -194,9 +195,7 @@ def decode_attention_fwd(
     ws_acc, ws_ml = workspace or alloc_workspace(num_programs, block_g, head_dim, q.device)
     if counters is None:
         counters = torch.zeros(batch * num_kv_heads * num_gc, device=q.device, dtype=torch.int32)
-    # Contiguous (B, Hkv, S, D): b, token, head strides. Paged (pages, page, Hkv, D): page, token, head.
-    kv_strides = (0, 2, 1) if not paged else (0, 1, 2)
-    bt = block_table if paged else cache_seqlens  # any int32 pointer; never read when not paged
+    bt = block_table if layout.paged else cache_seqlens  # any int32 pointer; never read when not paged
     # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
     lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     leftpad = cache_leftpad if cache_leftpad is not None else cache_seqlens  # never read without it
@@ -204,8 +203,8 @@ def decode_attention_fwd(
         q, k_cache, v_cache, lengths, leftpad, bt, out, lse, ws_acc, ws_ml, counters,
         softmax_scale * math.log2(math.e), batch, num_kv_heads, num_programs,
         q.stride(0), q.stride(1),
-        *(k_cache.stride(i) for i in kv_strides), *(v_cache.stride(i) for i in kv_strides),
-        block_table.stride(0) if paged else 0,
+        *layout.k_strides, *layout.v_strides,
+        block_table.stride(0) if layout.paged else 0,
         out.stride(0), out.stride(1), lse.stride(0),
         num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
     )  # fmt: skip
@@ -228,8 +227,6 @@ def lean_schedule(
         One list per active program of segments ``(b, head_unit, first_tile, n_tiles, contributors)``,
         where contributors counts the programs that share that output. Inactive programs are omitted.
     """
-    from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
-
     device = cache_seqlens.device
     room = max_segments or 64
     while True:

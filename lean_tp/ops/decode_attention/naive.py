@@ -6,13 +6,17 @@ import math
 
 import torch
 
+from lean_tp.ops.decode_attention.cache import CacheLayout
 
-def gather_kv(cache: torch.Tensor, b: int, start: int, end: int, block_table: torch.Tensor | None) -> torch.Tensor:
+
+def gather_kv(
+    layout: CacheLayout, cache: torch.Tensor, b: int, start: int, end: int, block_table: torch.Tensor | None
+) -> torch.Tensor:
     """Keys (or values) at positions [start, end) of sequence b as (Hkv, end - start, D), for a
     contiguous or a paged cache."""
-    if block_table is None:
+    if not layout.paged:
         return cache[b, :, start:end]
-    page_size = cache.shape[1]
+    page_size = layout.page_size
     pages = block_table[b, : math.ceil(end / page_size)].long()
     return cache[pages].flatten(0, 1)[start:end].transpose(0, 1)
 
@@ -28,6 +32,7 @@ def decode_attention_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, Hq, D) and lse (B, Hq), both float64; shapes as in ``lean_tp.decode_attention``."""
     batch, num_q_heads, head_dim = q.shape
+    layout = CacheLayout.of(k_cache, v_cache, block_table)
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
     lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float64)
@@ -35,8 +40,8 @@ def decode_attention_ref(
     for b, (start, end) in enumerate(zip(starts, cache_seqlens.tolist())):
         if end == start:
             continue
-        k = gather_kv(k_cache, b, start, end, block_table).double().cpu()
-        v = gather_kv(v_cache, b, start, end, block_table).double().cpu()
+        k = gather_kv(layout, k_cache, b, start, end, block_table).double().cpu()
+        v = gather_kv(layout, v_cache, b, start, end, block_table).double().cpu()
         group = num_q_heads // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         s = torch.einsum("hd,hnd->hn", q[b].double().cpu(), k) * scale

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from lean_tp.ops.decode_attention.cache import CacheLayout
+
 # Bounds the fp32 working set to B * Hq * CHUNK_TOKENS scores plus one upcast K/V chunk.
 CHUNK_TOKENS = 4096
 
@@ -29,13 +31,13 @@ def merge_partials(
     return m, l_a * w_a + l_b * w_b, acc_a * w_a[..., None] + acc_b * w_b[..., None]
 
 
-def _kv_chunks(k_cache, v_cache, block_table):
+def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table):
     """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D)."""
-    if block_table is None:
-        for n0 in range(0, k_cache.shape[2], CHUNK_TOKENS):
+    if not layout.paged:
+        for n0 in range(0, layout.capacity, CHUNK_TOKENS):
             yield n0, k_cache[:, :, n0 : n0 + CHUNK_TOKENS], v_cache[:, :, n0 : n0 + CHUNK_TOKENS]
         return
-    page_size = k_cache.shape[1]
+    page_size = layout.page_size
     pages_per_chunk = max(1, CHUNK_TOKENS // page_size)
     # Entries past a sequence's length may hold anything; clamp so the gather stays in bounds.
     table = block_table.long().clamp(0, k_cache.shape[0] - 1)
@@ -57,14 +59,15 @@ def decode_attention_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention in plain torch; arguments and results as ``decode_attention_fwd``."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2] if block_table is not None else k_cache.shape[1]
+    layout = CacheLayout.of(k_cache, v_cache, block_table)
+    num_kv_heads = layout.num_kv_heads
     group = num_q_heads // num_kv_heads
     q_g = q.view(batch, num_kv_heads, group, head_dim).float() * softmax_scale
     lens = cache_seqlens.view(batch, 1, 1, 1)
     starts = cache_leftpad.view(batch, 1, 1, 1) if cache_leftpad is not None else None
     m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
-    for n0, k, v in _kv_chunks(k_cache, v_cache, block_table):
+    for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table):
         s = torch.matmul(q_g, k.float().transpose(-1, -2))
         pos = torch.arange(n0, n0 + s.shape[-1], device=q.device)
         valid = pos < lens if starts is None else (pos < lens) & (pos >= starts)

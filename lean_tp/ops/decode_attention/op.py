@@ -10,31 +10,9 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from lean_tp.ops.decode_attention.checks import check_inputs, check_types
-from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.checks import check_inputs, check_types, uses_triton
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
-from lean_tp.ops.tuning import get_config
-
-
-def interpreter_enabled() -> bool:
-    """True when the kernel was defined under ``TRITON_INTERPRET=1`` and so can run on CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(decode_attention_fwd_kernel, InterpretedFunction)
-
-
-def uses_triton(q: torch.Tensor, backend: str) -> bool:
-    """Which implementation a call runs; raises ``ValueError`` when the Triton one cannot run."""
-    if backend == "torch" or (backend == "auto" and q.device.type != "cuda"):
-        return False
-    if q.device.type != "cuda" and not interpreter_enabled():
-        raise ValueError(
-            f"backend: 'triton' on {q.device.type} tensors runs through the Triton interpreter; "
-            "expected TRITON_INTERPRET=1 set before lean_tp is imported, got it unset"
-        )
-    get_config(q.device, q.shape[-1], q.dtype)  # raises ValueError for an unsupported head_dim
-    return True
 
 
 @triton_op("lean_tp::decode_attention", mutates_args=())
@@ -50,7 +28,7 @@ def decode_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered op; see ``decode_attention`` for the arguments. Returns (out, lse)."""
     check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad)
-    if uses_triton(q, backend):
+    if uses_triton(q.device, q.shape[-1], q.dtype, backend):
         if block_table is not None and block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
         return decode_attention_fwd(

@@ -91,8 +91,13 @@ def arch_of(device: torch.device) -> str:
 
 
 def get_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The tuning-table entry for a problem; raises ``ValueError`` for an unsupported head_dim."""
-    key = (arch_of(device), head_dim, dtype.itemsize)
+    """The tuning-table entry for a problem on ``device``; raises ``ValueError`` for an unsupported head_dim."""
+    return config_for(arch_of(device), head_dim, dtype)
+
+
+def config_for(arch: str, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have)."""
+    key = (arch, head_dim, dtype.itemsize)
     if key not in TUNING_TABLE:
         raise ValueError(
             f"head_dim: expected one of {SUPPORTED_HEAD_DIMS} with fp16, bf16 or fp32 for the Triton "

@@ -1,0 +1,51 @@
+"""The one description of a KV cache that ``decode_attention`` takes.
+
+Two layouts, told apart by whether a block table comes with the cache:
+
+- contiguous: ``(B, Hkv, S_max, D)``, any strides with ``stride(-1) == 1``; a "row" is a sequence;
+- paged: ``(num_pages, page_size, Hkv, D)`` with ``block_table (B, max_pages_per_seq)``; a "row"
+  is a page, and token ``n`` of sequence ``b`` is slot ``n % page_size`` of page
+  ``block_table[b, n // page_size]``.
+
+Everything else (input checks, the launcher, the torch backend, the float64 reference, the
+tests) reads heads, page size, capacity and strides from here instead of deriving them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Each layout's shape in words, keyed by ``paged``, for error messages.
+SHAPES = {False: "(B, Hkv, S_max, D)", True: "(num_pages, page_size, Hkv, D) with block_table"}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    paged: bool
+    num_kv_heads: int
+    head_dim: int
+    page_size: int | None  # None for a contiguous cache
+    capacity: int  # most tokens one sequence can hold
+    dtype: torch.dtype
+    k_strides: tuple[int, int, int]  # (row, token, head), in elements
+    v_strides: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None) -> CacheLayout:
+        """Describe 4-dim caches (shapes already checked by ``checks.check_inputs``)."""
+        paged = block_table is not None
+        # Contiguous (B, Hkv, S, D): row, token, head are dims 0, 2, 1. Paged (pages, page, Hkv, D): 0, 1, 2.
+        dims = (0, 1, 2) if paged else (0, 2, 1)
+        return cls(
+            paged=paged,
+            num_kv_heads=k_cache.shape[dims[2]],
+            head_dim=k_cache.shape[-1],
+            page_size=k_cache.shape[1] if paged else None,
+            capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2],
+            dtype=k_cache.dtype,
+            k_strides=tuple(k_cache.stride(d) for d in dims),
+            v_strides=tuple(v_cache.stride(d) for d in dims),
+        )
+
