@@ -48,11 +48,16 @@ def _attend(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    o_n = n_lo + tl.arange(0, BLOCK_N)
+    o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, o_n < n_hi, stride_bt, PAGED, PAGE_SIZE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        # The page lookup is shared by K and V; their strides may differ.
-        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
+        # The next block's (row, position) is carried to the next iteration, so K/V addresses do
+        # not depend on a load of the same iteration and the pipeliner can multi-buffer paged
+        # K/V as it does contiguous K/V. The page lookup is shared by K and V.
+        o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
+                                           PAGED, PAGE_SIZE)  # fmt: skip
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
@@ -65,6 +70,7 @@ def _attend(
         b_v = tl.load(p_v, mask=m_n[:, None], other=0.0)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
+        o_row, o_pos = o_row_next, o_pos_next
     return b_acc, b_m, b_l
 
 
@@ -171,7 +177,16 @@ def _finish_split(
     return is_last, b_acc, b_m, b_l
 
 
-@triton.jit
+# Values that change with the batch, the grid or the cache allocation: specializing on them (a
+# value of 1 becomes a constant, multiples of 16 get an attribute) would compile a new kernel for
+# each; STRIDE_ALIGN restores the alignment facts the vector loads need.
+_NOT_SPECIALIZED = [
+    "B", "HKV", "num_programs", "stride_qb", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
+    "stride_vb", "stride_vn", "stride_vh", "stride_bt", "stride_ob", "stride_oh", "stride_lb",
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def decode_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, leftpad_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
     scale_log2, B, HKV, num_programs,
@@ -180,12 +195,25 @@ def decode_attention_fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
     seqlens_ptr holds each sequence's number of valid keys; with HAS_LEFTPAD they start at cache
-    position leftpad_ptr[b] instead of 0 (left-padded batches).
+    position leftpad_ptr[b] instead of 0 (left-padded batches). STRIDE_ALIGN divides every q, K/V
+    and out stride (the launcher checks); dividing and multiplying by it is exact and lets the
+    compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
+    stride_qb = stride_qb // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_qh = stride_qh // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_kb = stride_kb // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_kn = stride_kn // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_kh = stride_kh // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_vb = stride_vb // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_vn = stride_vn // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_vh = stride_vh // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_ob = stride_ob // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_oh = stride_oh // STRIDE_ALIGN * STRIDE_ALIGN
     pid = tl.program_id(0)
     total = _total_tiles(seqlens_ptr, B, HKV * NUM_GC, TILE_N, BLOCK_B)
     n_active = _num_active(total, num_programs, MIN_TILES)

@@ -6,6 +6,7 @@ is safe to capture in a CUDA graph and to trace with ``torch.compile``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -24,9 +25,6 @@ from lean_tp.ops.decode_attention.tuning import (
     block_g_for,
     get_config,
 )
-
-_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
 
 def kernel_constexprs(
     config: DecodeConfig, head_dim: int, group: int, dtype: torch.dtype, page_size: int | None,
@@ -50,65 +48,117 @@ def kernel_constexprs(
     }
 
 
-def kernel_signature(dtype: torch.dtype, constexprs: dict[str, Any]) -> dict[str, str]:
-    """Argument types for ``triton.compile(ASTSource(...))``, as the JIT would infer them."""
-    ty = _TRITON_DTYPES[dtype]
-    sig: dict[str, str] = {}
-    for name in decode_attention_fwd_kernel.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
-            sig[name] = f"*{ty}"
-        elif name in ("seqlens_ptr", "leftpad_ptr", "bt_ptr", "counter_ptr"):
-            sig[name] = "*i32"
-        elif name in ("ws_acc_ptr", "ws_ml_ptr", "lse_ptr"):
-            sig[name] = "*fp32"
-        elif name == "scale_log2":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
+def check_launch_args(kernel: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Return ``args`` if it names every parameter of ``kernel`` exactly once, else ``TypeError``.
 
-
-def compile_for_target(
-    target: Any, dtype: torch.dtype, constexprs: dict[str, Any], config: DecodeConfig
-) -> Any:
-    """Compile one kernel configuration ahead of time for ``target`` (a ``GPUTarget``).
-
-    Used for occupancy on a GPU and, on CPU-only machines, to prove each configuration compiles.
+    Launches pass arguments by name, so a parameter added to, renamed in or dropped from the kernel
+    fails here, naming it, instead of silently shifting the arguments that follow it.
     """
-    from triton.compiler import ASTSource
+    names = list(kernel.arg_names)
+    missing = [n for n in names if n not in args]
+    unknown = [n for n in args if n not in names]
+    if missing or unknown:
+        raise TypeError(f"{kernel.__name__} launch: expected exactly its parameters, got missing {missing}, unknown {unknown}")
+    return args
 
-    sig = kernel_signature(dtype, constexprs)
-    aligned = [i for i, name in enumerate(sig) if name.endswith("_ptr")]
-    src = ASTSource(
-        fn=decode_attention_fwd_kernel,
-        signature=sig,
-        constexprs=constexprs,
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    return triton.compile(src, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+def compile_as_launched(args: dict[str, Any], config: DecodeConfig, target: Any) -> Any:
+    """The kernel a launch with ``args`` runs, compiled for ``target`` (a ``GPUTarget``).
+
+    Types, divisibility-by-16 attributes and constants come from the JIT's own specialization of
+    the arguments (tensors may be on the meta device), so registers, spills and shared memory are
+    those of the launched kernel. Needs ``decode_attention_fwd_kernel`` to be a JIT function (not
+    interpreted): on CPU-only machines call it from a process without ``TRITON_INTERPRET=1``.
+    """
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = decode_attention_fwd_kernel
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "debug": fn.debug or knobs.runtime.debug,
+        "instrumentation_mode": knobs.compilation.instrumentation_mode,
+    }
+    bound, specialization, options = binder(**check_launch_args(fn, args), **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SMLimits:
+    """Per-SM resources that bound resident programs (CUDA occupancy calculator terms)."""
+
+    sm_count: int
+    regs_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    smem_per_sm: int = 233472  # bytes usable by blocks; sm_90: 228 KB
+    smem_reserved_per_block: int = 1024  # the driver reserves 1 KB per block on sm_80 and later
+
+    @classmethod
+    def of_device(cls, index: int) -> SMLimits:
+        p = torch.cuda.get_device_properties(index)
+        return cls(p.multi_processor_count, p.regs_per_multiprocessor, p.max_threads_per_multi_processor,
+                   32, p.shared_memory_per_multiprocessor)  # fmt: skip
+
+
+# Published limits, for the CPU kernel report: A100-SXM4 (sm_80) and H100-SXM5 (sm_90).
+SM_LIMITS = {"sm80": SMLimits(108, smem_per_sm=167936), "sm90": SMLimits(132, smem_per_sm=233472)}
+
+
+def programs_per_sm(n_regs: int, shared: int, num_warps: int, limits: SMLimits) -> int:
+    """Resident programs per SM of a compiled kernel: the least of the thread, block, register and
+    shared-memory bounds. Registers are allocated per warp in units of 256 and split over the SM's
+    4 sub-partitions; every block also takes the driver's reserved shared memory."""
+    by_threads = limits.max_threads_per_sm // (num_warps * 32)
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    warps_by_regs = 4 * ((limits.regs_per_sm // 4) // regs_per_warp) if regs_per_warp else 1 << 30
+    by_regs = warps_by_regs // num_warps
+    by_smem = limits.smem_per_sm // (shared + limits.smem_reserved_per_block)
+    return min(by_threads, limits.max_blocks_per_sm, by_regs, by_smem)
+
+
+def example_args(
+    dtype: torch.dtype, head_dim: int, group: int, page_size: int | None, has_leftpad: bool, config: DecodeConfig,
+    device: torch.device | str = "meta",
+) -> dict[str, Any]:
+    """Launch arguments of a typical call (aligned, contiguous buffers; meta tensors by default).
+
+    The kernel does not specialize on batch, heads, grid size or strides, so these compile to the
+    same kernel as any real call of the family with 16-byte aligned buffers.
+    """
+    batch, num_kv_heads, pages = 2, 1, 4
+    q = torch.empty(batch, group * num_kv_heads, head_dim, dtype=dtype, device=device)
+    if page_size is None:
+        cache = torch.empty(batch, num_kv_heads, pages * 16, head_dim, dtype=dtype, device=device)
+    else:
+        cache = torch.empty(batch * pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    lens = torch.empty(batch, dtype=torch.int32, device=device)
+    table = lens.new_empty(batch, pages) if page_size is not None else None
+    constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size, has_leftpad)
+    workspace = alloc_workspace(1, constexprs["BLOCK_G"], head_dim, torch.device(device))
+    return launch_args(
+        q, cache, cache, lens, lens if has_leftpad else None, table, torch.empty_like(q),
+        torch.empty(batch, group, device=device), workspace, lens, 1.0, 1, config,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
-def _programs_per_sm(device_index: int, dtype: torch.dtype, constexpr_items: tuple, config: DecodeConfig) -> tuple[int, int]:
-    """(SM count, resident programs per SM) of a compiled configuration on one CUDA device."""
+def _programs_per_sm_on(index: int, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None) -> int:
+    """Programs per SM of the family's launched kernel on CUDA device ``index``, capped by the table."""
     from triton.runtime import driver
 
-    target = driver.active.get_current_target()
-    with torch.cuda.device(device_index):
-        kernel = compile_for_target(target, dtype, dict(constexpr_items), config)
+    config = get_config(torch.device("cuda", index), head_dim, dtype)
+    args = example_args(dtype, head_dim, group, page_size, False, config)
+    with torch.cuda.device(index):
+        kernel = compile_as_launched(args, config, driver.active.get_current_target())
         kernel._init_handles()
-    props = driver.active.utils.get_device_properties(device_index)
-    cuda_props = torch.cuda.get_device_properties(device_index)
-    threads = config.num_warps * props["warpSize"]
-    by_threads = getattr(cuda_props, "max_threads_per_multi_processor", 2048) // threads
-    regs_per_sm = getattr(cuda_props, "regs_per_multiprocessor", props["max_num_regs"])
-    by_regs = regs_per_sm // max(kernel.n_regs * threads, 1)
-    smem_per_sm = getattr(cuda_props, "shared_memory_per_multiprocessor", props["max_shared_mem"])
-    by_smem = smem_per_sm // kernel.metadata.shared if kernel.metadata.shared else by_threads
-    occupancy = max(1, min(by_threads, by_regs, by_smem, config.max_programs_per_sm))
-    return props["multiprocessor_count"], occupancy
+    occupancy = programs_per_sm(kernel.n_regs, kernel.metadata.shared, config.num_warps, SMLimits.of_device(index))
+    return max(1, min(occupancy, config.max_programs_per_sm))
 
 
 def grid_size(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None = None) -> int:
@@ -119,11 +169,9 @@ def grid_size(device: torch.device, dtype: torch.dtype, head_dim: int, group: in
     """
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    config = get_config(device, head_dim, dtype)
-    constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms, per_sm = _programs_per_sm(index, dtype, tuple(sorted(constexprs.items())), config)
-    return sms * per_sm
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms * _programs_per_sm_on(index, dtype, head_dim, group, page_size)
 
 
 def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,36 +227,58 @@ def decode_attention_fwd(
     """
     batch, num_q_heads, head_dim = q.shape
     layout = CacheLayout.of(k_cache, v_cache, block_table)
-    num_kv_heads = layout.num_kv_heads
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // layout.num_kv_heads
     config = config or get_config(q.device, head_dim, layout.dtype)
-    constexprs = kernel_constexprs(config, head_dim, group, layout.dtype, layout.page_size, cache_leftpad is not None)
     if num_programs is None:
         num_programs = grid_size(q.device, layout.dtype, head_dim, group, layout.page_size)
-    block_g, num_gc = constexprs["BLOCK_G"], constexprs["NUM_GC"]
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
-    ws_acc, ws_ml = workspace or alloc_workspace(num_programs, block_g, head_dim, q.device)
+    block_g = block_g_for(group, config)
+    workspace = workspace or alloc_workspace(num_programs, block_g, head_dim, q.device)
     if counters is None:
-        counters = torch.zeros(batch * num_kv_heads * num_gc, device=q.device, dtype=torch.int32)
-    bt = block_table if layout.paged else cache_seqlens  # any int32 pointer; never read when not paged
+        counters = torch.zeros(batch * layout.num_kv_heads * math.ceil(group / block_g), device=q.device, dtype=torch.int32)
+    args = launch_args(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out, lse, workspace, counters,
+                       softmax_scale, num_programs, config)  # fmt: skip
+    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, lse
+
+
+def launch_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+    workspace: tuple[torch.Tensor, torch.Tensor], counters: torch.Tensor, softmax_scale: float, num_programs: int,
+    config: DecodeConfig,
+) -> dict[str, Any]:
+    """Every argument of ``decode_attention_fwd_kernel`` by name (shapes as in ``decode_attention_fwd``)."""
+    layout = CacheLayout.of(k_cache, v_cache, block_table)
+    group = q.shape[1] // layout.num_kv_heads
+    strides = (q.stride(0), q.stride(1), *layout.k_strides, *layout.v_strides, out.stride(0), out.stride(1))
+    # The strides are not specialized (a new value must not recompile), so the kernel is told that
+    # they keep rows 16-byte aligned when they do: that is what allows 16-byte vector loads.
+    vec = 16 // q.element_size()
+    constexprs = kernel_constexprs(config, q.shape[-1], group, layout.dtype, layout.page_size, cache_leftpad is not None)
     # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
     lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
-    leftpad = cache_leftpad if cache_leftpad is not None else cache_seqlens  # never read without it
-    launch(decode_attention_fwd_kernel)[(num_programs,)](
-        q, k_cache, v_cache, lengths, leftpad, bt, out, lse, ws_acc, ws_ml, counters,
-        softmax_scale * math.log2(math.e), batch, num_kv_heads, num_programs,
-        q.stride(0), q.stride(1),
-        *layout.k_strides, *layout.v_strides,
-        block_table.stride(0) if layout.paged else 0,
-        out.stride(0), out.stride(1), lse.stride(0),
-        num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
-    )  # fmt: skip
-    return out, lse
+    args = {
+        "q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "seqlens_ptr": lengths,
+        "leftpad_ptr": cache_leftpad if cache_leftpad is not None else lengths,  # never read without left padding
+        "bt_ptr": block_table if layout.paged else lengths,  # never read when not paged
+        "out_ptr": out, "lse_ptr": lse, "ws_acc_ptr": workspace[0], "ws_ml_ptr": workspace[1], "counter_ptr": counters,
+        "scale_log2": softmax_scale * math.log2(math.e), "B": q.shape[0], "HKV": layout.num_kv_heads,
+        "num_programs": num_programs,
+        "stride_qb": q.stride(0), "stride_qh": q.stride(1),
+        "stride_kb": layout.k_strides[0], "stride_kn": layout.k_strides[1], "stride_kh": layout.k_strides[2],
+        "stride_vb": layout.v_strides[0], "stride_vn": layout.v_strides[1], "stride_vh": layout.v_strides[2],
+        "stride_bt": block_table.stride(0) if layout.paged else 0,
+        "stride_ob": out.stride(0), "stride_oh": out.stride(1), "stride_lb": lse.stride(0),
+        "STRIDE_ALIGN": vec if all(x % vec == 0 for x in strides) else 1,
+        **constexprs,
+    }  # fmt: skip
+    return check_launch_args(decode_attention_fwd_kernel, args)
 
 
 def lean_schedule(

@@ -54,14 +54,18 @@ SCHEDULE_BLOCK_B = 128
 _PAPER_D64 = "LeanAttention paper: 256-token LeanTiles best for D=64 (fp16, A100)"
 _PAPER_D128 = "LeanAttention paper: 128-token LeanTiles best for D=128 (fp16, A100)"
 _D256 = "D=256 doubles bytes per token over D=128; halving the tile keeps bytes per tile equal"
+_STAGES = "; 3 stages: H100 has 228 KB smem/SM"
+# The cap on programs per SM is what the launched kernel fits (docs/kernel_report.md, contiguous
+# layout); the occupancy of the launched kernel (launcher.grid_size) lowers it where less fits.
+_FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 64, 64, 4, 2, 2, _PAPER_D64),
+    ("sm80", 64, 2): DecodeConfig(256, 64, 64, 4, 2, 4, _PAPER_D64 + _FITS),
     ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 2, _PAPER_D128),
     ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256),
-    ("sm90", 64, 2): DecodeConfig(256, 64, 64, 4, 3, 2, _PAPER_D64 + "; 3 stages: H100 has 228 KB smem/SM"),
-    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 2, _PAPER_D128 + "; 3 stages: H100 has 228 KB smem/SM"),
+    ("sm90", 64, 2): DecodeConfig(256, 64, 64, 4, 3, 4, _PAPER_D64 + _STAGES + _FITS),
+    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _FITS),
     ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
     ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=64 entry"),

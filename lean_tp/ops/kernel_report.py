@@ -1,0 +1,187 @@
+"""What ``decode_attention_fwd_kernel`` compiles to for every tuning-table entry, read on CPU.
+
+    python -m lean_tp.ops.kernel_report            # markdown table (docs/kernel_report.md)
+    python -m lean_tp.ops.kernel_report --json     # one object per kernel, for machines
+
+Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize it
+(``launcher.compile_as_launched``), with a GQA group of 4. Read from the cubin and PTX:
+
+- ``regs``, ``spill_bytes`` (the stack frame; Triton kernels make no calls, so it holds spills),
+  ``shared_bytes`` (dynamic + static);
+- ``programs_per_sm`` on an A100 (sm_80) or H100 (sm_90), from ``launcher.programs_per_sm``;
+- ``kv_load_bytes``: width of the K/V global loads, the most frequent width among ``cp.async``
+  copies (or ``ld.global`` data loads when nothing is copied asynchronously), since the K/V tiles
+  are by far the most numerous loads;
+- ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered), and
+  ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none).
+
+No GPU is needed: ``ptxas`` and ``cuobjdump`` come with Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStats:
+    arch: str
+    head_dim: int
+    dtype: str
+    layout: str
+    group: int
+    leftpad: bool
+    regs: int
+    spill_bytes: int
+    shared_bytes: int
+    programs_per_sm: int
+    kv_load_bytes: int
+    kv_buffers: int
+    wait_group: int
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, stack bytes, static shared bytes) of the cubin's one kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack, shared = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text).groups()
+    return int(regs), int(stack), int(shared)
+
+
+def _kv_load_bytes(ptx: str) -> int:
+    widths = [int(w, 16) for w in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?, (0x[0-9a-f]+)", ptx)]
+    if not widths:  # no async copies: data loads into registers (.cg loads are the merge's partials)
+        for vec, bits in re.findall(r"ld\.global(?:\.L1::\w+)?(?:\.v(\d))?\.b(\d+)", ptx):
+            widths.append(int(vec or 1) * int(bits) // 8)
+    return collections.Counter(widths).most_common(1)[0][0] if widths else 0
+
+
+def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int = REPORT_GROUP,
+                  leftpad: bool = False) -> KernelStats:  # fmt: skip
+    """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics."""
+    from triton.backends.compiler import GPUTarget
+
+    from lean_tp.ops.decode_attention.launcher import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
+    from lean_tp.ops.decode_attention.tuning import config_for
+
+    torch_dtype = DTYPES[dtype]
+    config = config_for(arch, head_dim, torch_dtype)
+    args = example_args(torch_dtype, head_dim, group, LAYOUTS[layout], leftpad, config)
+    kernel = compile_as_launched(args, config, GPUTarget("cuda", int(arch[2:]), 32))
+    regs, stack, static_shared = _resources(kernel.asm["cubin"])
+    shared = kernel.metadata.shared + static_shared
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
+    tile_bytes = config.block_n * head_dim * torch_dtype.itemsize
+    return KernelStats(
+        arch, head_dim, dtype, layout, group, leftpad, regs, stack, shared,
+        programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
+        _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
+    )  # fmt: skip
+
+
+def report_jobs(variants: bool = False) -> list[tuple]:
+    """(arch, head_dim, dtype, layout, group, leftpad) of every kernel to report.
+
+    The report proper: each GPU tuning-table entry x layout, group 4. ``variants`` adds what else
+    the table can select: bf16, groups 1 and 64 (every row block), a group of 24 where it splits
+    into row chunks, and left padding, so a CPU test proves they all compile.
+    """
+    from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+
+    jobs = []
+    for arch, head_dim, size in TUNING_TABLE:
+        if arch == "interp":
+            continue
+        dtype = "fp16" if size == 2 else "fp32"
+        jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False) for layout in LAYOUTS]
+        if variants:
+            groups = (1, 64) + ((24,) if TUNING_TABLE[arch, head_dim, size].max_block_g < 24 else ())
+            jobs += [(arch, head_dim, dtype, "paged16", g, False) for g in groups]
+            jobs.append((arch, head_dim, dtype, "contiguous", REPORT_GROUP, True))
+            if size == 2:
+                jobs.append((arch, head_dim, "bf16", "paged16", REPORT_GROUP, True))
+    return jobs
+
+
+def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
+    """Compile ``jobs`` in parallel processes (each compile is single-threaded), with a progress bar."""
+    from tqdm import tqdm
+
+    env_interp = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # the workers must compile, not interpret
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
+            futures = [pool.submit(compile_stats, *job) for job in jobs]
+            for _ in tqdm(concurrent.futures.as_completed(futures), total=len(jobs), desc="compiling kernels",
+                          unit="kernel", disable=not progress, file=sys.stderr):  # fmt: skip
+                pass
+            return [f.result() for f in futures]
+    finally:
+        if env_interp is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = env_interp
+
+
+def to_markdown(rows: list[KernelStats]) -> str:
+    import triton
+
+    gpu = {"sm80": "A100", "sm90": "H100"}
+    lines = [
+        f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} "
+        "(`python -m lean_tp.ops.kernel_report`).",
+        "",
+        "| arch | D | dtype | layout | regs | spill B | smem KB | programs/SM | K/V load B | K/V buffers | wait_group |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.shared_bytes / 1024:.1f} "
+            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lean_tp.ops.kernel_report", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object per kernel instead of markdown")
+    p.add_argument("--variants", action="store_true", help="also compile bf16, other groups and left padding")
+    p.add_argument("--workers", type=int, default=None, help="parallel compiles (default: one per core)")
+    args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        p.error(f"--workers: expected >= 1, got {args.workers}")
+    rows = run_report(report_jobs(args.variants), args.workers)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    else:
+        print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad]), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""What the decode kernel compiles to for sm_80 and sm_90, read on CPU (``lean_tp.ops.kernel_report``).
+
+The interpreter accepts code the GPU compiler rejects (dot dims < 16, non-constexpr globals,
+``break``), and it says nothing about registers or loads. These tests compile every kernel the
+tuning table can select, as a launch specializes it, and hold the compiled code to what makes the
+kernel fast. This process interprets kernels (TRITON_INTERPRET=1 is set at collection), so the
+compiles run in subprocesses with the interpreter off.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+from lean_tp.ops.kernel_report import LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}  # opt-in shared memory per block
+
+
+def _run(args: list[str]) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def stats() -> list[KernelStats]:
+    rows = json.loads(_run(["-m", "lean_tp.ops.kernel_report", "--json", "--variants"]))
+    return [KernelStats(**row) for row in rows]
+
+
+def _report_rows(stats):
+    return [s for s in stats if s.group == REPORT_GROUP and not s.leftpad]
+
+
+def test_every_table_entry_compiles_for_every_layout(stats):
+    built = {(s.arch, s.head_dim, s.dtype, s.layout) for s in _report_rows(stats)}
+    for arch, head_dim, size in TUNING_TABLE:
+        if arch != "interp":
+            assert {(arch, head_dim, "fp16" if size == 2 else "fp32", layout) for layout in LAYOUTS} <= built
+    assert any(s.dtype == "bf16" for s in stats) and any(s.leftpad for s in stats)
+    assert {s.group for s in stats} >= {1, 24, 64}
+    for s in stats:
+        assert s.shared_bytes <= SMEM_LIMIT[s.arch], s
+        assert s.programs_per_sm >= 1, s
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sm90_16bit_kernels_are_fast_by_construction(stats, layout):
+    """No spills, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs per SM for D <= 128."""
+    rows = [s for s in _report_rows(stats) if s.arch == "sm90" and s.dtype == "fp16" and s.layout == layout]
+    assert rows
+    for s in rows:
+        assert s.spill_bytes == 0, s
+        assert s.kv_load_bytes == 16, s
+        assert s.kv_buffers >= 2 and s.wait_group >= 1, s
+        if s.head_dim <= 128:
+            assert s.programs_per_sm >= 2, s
+
+
+def test_docs_kernel_report_is_current(stats):
+    import triton
+
+    with open(os.path.join(ROOT, "docs", "kernel_report.md")) as f:
+        doc = f.read()
+    recorded = re.search(r"triton (\S+),", doc).group(1)
+    if recorded != triton.__version__:
+        pytest.skip(f"docs/kernel_report.md was generated with triton {recorded}, this is {triton.__version__}")
+    assert to_markdown(_report_rows(stats)) in doc, "regenerate: python -m lean_tp.ops.kernel_report"
+
+
+SPECIALIZATION = """
+import json, torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel as fn
+from lean_tp.ops.decode_attention.launcher import alloc_workspace, launch_args
+from lean_tp.ops.decode_attention.tuning import config_for
+
+config = config_for("sm90", 128, torch.float16)
+binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+keys = []
+for batch, hkv, programs, capacity, pages in [(1, 1, 1, 48, 3), (16, 8, 132, 64, 4), (17, 2, 264, 72, 9)]:
+    e = lambda *shape, dtype=torch.float16: torch.empty(*shape, dtype=dtype, device="meta")
+    q = e(batch, 4 * hkv, 128)
+    lens = e(batch, dtype=torch.int32)
+    for paged in (False, True):
+        cache = e(batch * pages, 16, hkv, 128) if paged else e(batch, capacity, hkv, 128).transpose(1, 2)
+        table = e(batch, pages, dtype=torch.int32) if paged else None
+        args = launch_args(q, cache, cache, lens, None, table, torch.empty_like(q), e(batch, 4 * hkv, dtype=torch.float32),
+                           alloc_workspace(programs, 16, 128, "meta"), lens, 0.1, programs, config)
+        keys.append([paged, str(binder(**args)[1])])
+print(json.dumps(keys))
+"""
+
+
+def test_no_recompilation_for_batch_heads_grid_or_strides():
+    """The JIT's specialization (its cache key) is the same for any batch, KV heads, grid and cache strides."""
+    keys = json.loads(_run(["-c", SPECIALIZATION]))
+    for paged in (False, True):
+        assert len({key for p, key in keys if p == paged}) == 1, keys
+
+
+def test_launch_args_must_name_every_kernel_parameter():
+    from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+    from lean_tp.ops.decode_attention.launcher import check_launch_args
+
+    args = {name: 0 for name in decode_attention_fwd_kernel.arg_names}
+    assert check_launch_args(decode_attention_fwd_kernel, dict(args)) == args
+    with pytest.raises(TypeError, match=r"missing \['stride_lb'\], unknown \['stride_lse'\]"):
+        check_launch_args(decode_attention_fwd_kernel, {**{k: v for k, v in args.items() if k != "stride_lb"}, "stride_lse": 0})
+
+
+def test_programs_per_sm_follows_the_occupancy_rules():
+    from lean_tp.ops.decode_attention.launcher import SM_LIMITS, programs_per_sm
+
+    h100 = SM_LIMITS["sm90"]
+    # 156 registers round to 160 per thread: 3 warps per sub-partition, 12 per SM, three 4-warp programs.
+    assert programs_per_sm(156, 71680, 4, h100) == 3
+    # 208 registers: 2 warps per sub-partition; shared memory would allow 3.
+    assert programs_per_sm(206, 71680, 4, h100) == 2
+    # Shared memory bound, with the driver's 1 KB per block: two blocks of 113 KB + 1 KB fit in
+    # 228 KB, two of 114 KB + 1 KB do not.
+    assert programs_per_sm(64, 113 * 1024, 4, h100) == 2
+    assert programs_per_sm(64, 114 * 1024, 4, h100) == 1
+    assert programs_per_sm(32, 0, 4, h100) == 16  # threads: 2048 / 128
