@@ -34,7 +34,8 @@ def flash_decoding_split_kernel(
     ws_acc: (B, Hq, num_splits, D) fp32; ws_ml: (B, Hq, num_splits, 2) fp32, log2 domain.
     """
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // num_kv_heads, i_bh % num_kv_heads
+    # 64-bit: batch x stride overflows int32 on long caches (256k tokens x 32 heads x D=128 is 2^30).
+    i_b, i_h = (i_bh // num_kv_heads).to(tl.int64), (i_bh % num_kv_heads).to(tl.int64)
     seq_len = tl.load(seqlens_ptr + i_b)
     start = i_s * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)

@@ -64,3 +64,20 @@ def test_flash_decoding_compiles_for_sm80_and_sm90():
     bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
     proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=bench_dir, env=env, capture_output=True, text=True, timeout=600)
     assert "COMPILED" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_flash_decoding_offsets_are_64_bit():
+    """A cache whose batch stride is 2^30 elements (as at 256k tokens x 32 heads x D=128): batch
+    index 2 lies 2^31 elements in, past int32. The cache is allocated but only the valid keys are
+    touched, so the OS commits a few pages of its 12 GB of address space."""
+    batch, capacity, head_dim = 3, 1 << 24, 64  # Hkv = 1: stride(0) = 2^24 * 64 = 2^30
+    lens = torch.tensor([3, 0, 5], dtype=torch.int32)
+    k, v = (torch.empty(batch, 1, capacity, head_dim, dtype=torch.float16) for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    for b in range(batch):
+        k[b, :, :8] = torch.randn(1, 8, head_dim, generator=g).half()
+        v[b, :, :8] = torch.randn(1, 8, head_dim, generator=g).half()
+    q = torch.randn(batch, 4, head_dim, generator=g).half()
+    out, lse = flash_decoding(q, k, v, lens, num_splits=1, return_lse=True)
+    small = dict(q=q, k_cache=k[:, :, :8].clone(), v_cache=v[:, :, :8].clone(), cache_seqlens=lens, block_table=None)
+    assert_matches_ref(out, lse, small, atol=2e-3)
