@@ -28,6 +28,7 @@ class Peer:
     prepare: Callable[[Inputs], Callable[[], torch.Tensor]]
     needs: str | None = None  # importable module the peer requires
     cuda_only: bool = False
+    triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -39,7 +40,7 @@ class Peer:
 
 
 def _lean(s: Inputs):
-    backend = "auto" if s["q"].is_cuda else "torch"  # the dry run on CPU uses the torch backend
+    backend = "auto" if s["q"].is_cuda else "triton"  # the dry run interprets the kernel, like flash-decoding's
     return lambda: lean_tp.decode_attention(**s, backend=backend)
 
 
@@ -109,8 +110,8 @@ def _flashinfer(s: Inputs):
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean),
-        Peer("flash-decoding", _flash_decoding),
+        Peer("lean", _lean, triton=True),
+        Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
         Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),

@@ -23,17 +23,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lean_tp.integrations.transformers as lean_hf
-from lean_tp.generate import parse_prompt_lens
 from lean_tp.model import CONFIGS
+from example_utils import TINY_HF_LLAMA, parse_prompt_lens, random_left_padded_batch
 
-TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)
 
 
 def hf_config(name: str) -> LlamaConfig:
     """A Llama config of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
     if name == "tiny":
-        return LlamaConfig(**TINY)
+        return LlamaConfig(**TINY_HF_LLAMA)
     a = CONFIGS[name]
     return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
                        num_key_value_heads=a.n_kv_heads, intermediate_size=a.intermediate_size, head_dim=a.head_dim,
@@ -54,7 +52,7 @@ def load(args, attn_implementation: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="Hugging Face model directory (real weights)")
-    p.add_argument("--config", default="tiny", choices=["tiny", *CONFIGS],
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS),
                    help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)")
     p.add_argument("--attention", default="lean", choices=["lean", "sdpa"], help="sdpa: the same run without lean")
     p.add_argument("--batch", type=int, default=4)
@@ -65,12 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare every token with an eager SDPA copy")
     args = p.parse_args(argv)
-    lens = parse_prompt_lens(args.prompt_len, args.batch)
+    try:
+        lens = parse_prompt_lens(args.prompt_len, args.batch)
+    except ValueError as exc:
+        p.error(str(exc))
 
+    print("building the model, compiling it and generating (first call: torch.compile, ~30-60 s on CPU) ...", flush=True)
     model = load(args, lean_hf.register() if args.attention == "lean" else "sdpa")
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA
     model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
-    ids, mask = lean_hf.random_left_padded_batch(lens, model.config.vocab_size, args.seed, args.device)
+    ids, mask = random_left_padded_batch(lens, model.config.vocab_size, args.seed, args.device)
     kwargs = dict(attention_mask=mask, max_new_tokens=args.gen, do_sample=False, cache_implementation="static",
                   pad_token_id=model.config.pad_token_id or 0)
     torch._dynamo.utils.counters.clear()
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prompt_len}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)")
     if not args.check:
         return 0
+    print("check: generating the same tokens with an eager SDPA copy ...", flush=True)
     expected = load(args, "sdpa").generate(ids, **kwargs)
     if torch.equal(out, expected):
         print(f"check: OK ({out[:, ids.shape[1]:].numel()} tokens identical to eager SDPA)")

@@ -5,11 +5,13 @@
 
 The two lines that matter:
 
-    from lean_tp.integrations.deepspeed import init_inference
+    from lean_tp.distributed import DistContext, all_ranks_agree
+from lean_tp.integrations.deepspeed import init_inference
     engine = init_inference(model, tp_size=world_size, dtype=torch.bfloat16)
 
 With --check, rank 0 generates from the same prompts with the unsharded model (plain transformers,
-SDPA) and every token must match; all ranks exit non-zero on a mismatch.
+SDPA) and every token must match; all ranks exit non-zero on a mismatch. On CPU each rank uses
+its share of the cores (the deepspeed launcher, unlike torchrun, does not limit threads).
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from lean_tp.generate import parse_prompt_lens
+from lean_tp.distributed import DistContext, all_ranks_agree
 from lean_tp.integrations.deepspeed import init_inference
-from lean_tp.integrations.transformers import random_left_padded_batch
+from example_utils import TINY_HF_LLAMA, parse_prompt_lens, random_left_padded_batch
 
-TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)
 
 
 def load(args) -> torch.nn.Module:
@@ -37,7 +37,7 @@ def load(args) -> torch.nn.Module:
     if args.checkpoint:
         return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).eval()
     torch.manual_seed(args.seed)  # every rank builds the same random weights
-    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY_HF_LLAMA), dtype=dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     lens = parse_prompt_lens(args.prompt_len, args.batch)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if not torch.cuda.is_available():
+        # torchrun gives each CPU rank one thread; the deepspeed launcher leaves every rank on all
+        # cores, and ranks that oversubscribe them run ~30x slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
     model = load(args)
     reference = copy.deepcopy(model) if args.check and rank == 0 else None
@@ -77,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                 detail = f"first mismatch at sequence {b}, position {i}: {int(out[b, i])} vs {int(expected[b, i])}"
             print(f"check: {'OK' if ok else 'MISMATCH'} ({detail})")
         if dist.is_initialized():  # every rank exits with rank 0's verdict
-            flag = torch.tensor([0 if ok else 1], device=device)
-            dist.all_reduce(flag)
-            ok = int(flag.item()) == 0
+            ctx = DistContext(rank, world, int(os.environ.get("LOCAL_RANK", "0")), device, dist.group.WORLD)
+            ok = all_ranks_agree(ctx, ok)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -19,10 +19,10 @@ from lean_tp.model import Transformer
 StepFn = Callable[[Transformer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def decode_one(model: Transformer, tokens: torch.Tensor, cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One greedy step: tokens (B,), cache_seqlens (B,) int32 -> next tokens (B,), logits (B, vocab).
+def decode_one(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One greedy step: tokens (B,) at positions input_pos (B,) int32 -> next tokens (B,), logits (B, vocab).
     This is the function ``--compile`` hands to ``torch.compile``."""
-    logits = model.decode_step(tokens, cache_seqlens)
+    logits = model.decode_step(tokens, input_pos)
     return logits.argmax(dim=-1), logits
 
 
@@ -33,30 +33,6 @@ class Generation:
     prefill_s: float
     step_s: list[float]  # one per decode step (gen - 1 of them)
     margins: torch.Tensor | None = None  # (B, gen) float32, CPU, when forced: max logit - forced token's logit
-
-
-def parse_prompt_lens(text: str, batch: int) -> list[int]:
-    """``--prompt-len`` of the examples: one length for every sequence, or one per sequence."""
-    try:
-        lens = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--prompt-len: expected an integer or a comma list of integers, got {text!r}") from None
-    if batch < 1:
-        raise ValueError(f"--batch: expected >= 1, got {batch}")
-    if len(lens) == 1:
-        lens = lens * batch
-    if len(lens) != batch or min(lens) < 1:
-        raise ValueError(f"--prompt-len: expected 1 or --batch ({batch}) lengths, each >= 1, got {text!r}")
-    return lens
-
-
-def make_prompts(prompt_lens: list[int], vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
-    """(B, max(prompt_lens)) int64 random token ids, right-padded with 0."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (len(prompt_lens), max(prompt_lens)), generator=gen)
-    for b, n in enumerate(prompt_lens):
-        tokens[b, n:] = 0
-    return tokens.to(device)
 
 
 class _Clock:

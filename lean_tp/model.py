@@ -7,7 +7,7 @@ names (DeepSpeed injection policies, say) find them.
 
 Prefill runs ``scaled_dot_product_attention`` over right-padded prompts with a causal mask; a
 padded position never influences a real one, and its K/V are ignored later because every decode
-step passes per-sequence ``cache_seqlens`` to the attention op. The batch is ragged by length, not
+step passes per-sequence lengths (``input_pos + 1``) to the attention op as ``cache_seqlens``. The batch is ragged by length, not
 padded into attention.
 """
 
@@ -161,8 +161,8 @@ class Attention(nn.Module):
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """x (B, T, dim). cache_seqlens None: prefill at positions 0..T-1; else (B,) int32 lengths
+                input_pos: torch.Tensor | None) -> torch.Tensor:
+        """x (B, T, dim). input_pos None: prefill at positions 0..T-1; else (B,) int32 lengths
         before this step, and T == 1."""
         if self.kv_cache is None:
             raise RuntimeError("Attention: call setup_caches() on the model before running it")
@@ -171,12 +171,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache_seqlens is None:
+        if input_pos is None:
             self.kv_cache.write_prefill(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            self.kv_cache.write_token(k[:, :, 0], v[:, :, 0], cache_seqlens)
-            y = self._decode(q[:, :, 0], cache_seqlens + 1)[:, :, None]
+            self.kv_cache.write_token(k[:, :, 0], v[:, :, 0], input_pos)
+            y = self._decode(q[:, :, 0], input_pos + 1)[:, :, None]  # the op's cache_seqlens count the new token
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
 
     def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -209,8 +209,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, cache_seqlens):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_seqlens)
+    def forward(self, x, cos, sin, input_pos):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -264,11 +264,11 @@ class Transformer(nn.Module):
         cache = self.attention_modules()[0].kv_cache
         return 0 if cache is None else cache.k.shape[2]
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, cache_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache_seqlens)
+            x = layer(x, cos, sin, input_pos)
         return self.model.norm(x)
 
     def prefill(self, tokens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
@@ -280,10 +280,11 @@ class Transformer(nn.Module):
         last = h[torch.arange(bsz, device=h.device), prompt_lens.long() - 1]
         return self.lm_head(last)
 
-    def decode_step(self, tokens: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
-        """tokens (B,) int64 at positions cache_seqlens (B,) int32 (the lengths before this token).
-        Writes their K/V, attends over cache_seqlens + 1 tokens, returns (B, vocab) logits."""
-        h = self._layers(tokens[:, None], cache_seqlens[:, None], cache_seqlens)
+    def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) int64 at positions input_pos (B,) int32 (each sequence's length before this
+        token, as gpt-fast names it). Writes their K/V, attends over input_pos + 1 tokens, returns
+        (B, vocab) logits."""
+        h = self._layers(tokens[:, None], input_pos[:, None], input_pos)
         return self.lm_head(h[:, 0])
 
 

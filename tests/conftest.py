@@ -13,3 +13,5 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".inductor-cache"))
 sys.path.insert(0, os.path.dirname(__file__))
+# The examples' helpers (prompt builders, --prompt-len parsing) live beside the examples.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
-from lean_tp.generate import decode_one, generate, make_prompts
+from example_utils import make_prompts
+
+from lean_tp.generate import decode_one, generate
 from lean_tp.model import CONFIGS, ModelArgs, build_model, rope_inv_freq
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
 

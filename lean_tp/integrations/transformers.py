@@ -15,19 +15,19 @@ go to transformers' SDPA implementation. Each such reason is logged once, not on
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lean_tp.ops.decode_attention import decode_attention, kernel_support
 
 NAME = "lean"
 logger = logging.getLogger("lean_tp")
 _logged: set[str] = set()
-# The last mask seen in eager mode and what it gives: (cache_leftpad, cache_seqlens), or None when
-# its rows are not one run. Every layer of one forward gets the same mask tensor, so the bounds
-# and the host check on them are computed once per forward, not once per layer.
-_last_mask: list = [None, None]
+# What each live mask tensor gives in eager mode: (cache_leftpad, cache_seqlens), or None when its
+# rows are not one run. Every layer of one forward gets the same mask tensor, so the bounds and the
+# host check on them are computed once per forward, not once per layer; an entry goes with its mask.
+_mask_bounds: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register() -> str:
@@ -97,11 +97,10 @@ def _decode_bounds(attention_mask: torch.Tensor | None, batch: int, kv_length: i
         if attention_mask is not None:
             torch._assert_async(contiguous.all(), "lean attention: mask rows are not one contiguous run (right padding?)")
         return leftpad, seqlens
-    seen = _last_mask[0]
-    if seen is None or seen() is not attention_mask:
+    if attention_mask not in _mask_bounds:
         leftpad, seqlens, contiguous = mask_bounds(attention_mask, batch, kv_length, device)
-        _last_mask[:] = [weakref.ref(attention_mask), (leftpad, seqlens) if bool(contiguous.all()) else None]
-    return _last_mask[1]
+        _mask_bounds[attention_mask] = (leftpad, seqlens) if bool(contiguous.all()) else None
+    return _mask_bounds[attention_mask]
 
 
 def lean_attention_forward(
@@ -129,13 +128,3 @@ def lean_attention_forward(
         reason = "a mask whose attended positions are not one contiguous run (right padding?)"
     _log_once(reason)
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def random_left_padded_batch(lens: list[int], vocab_size: int, seed: int, device: str | torch.device = "cpu"):
-    """Random prompts of the given lengths, left-padded as ``generate()`` expects for decoder-only
-    models: input_ids and attention_mask, both (B, max(lens)) int64 (the examples' inputs)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lens)
-    ids = torch.randint(3, vocab_size, (len(lens), width), generator=g)
-    mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
-    return (ids * mask).to(device), mask.to(device)
