@@ -1,8 +1,8 @@
 """Tensor-parallel greedy decode with LeanAttention: the project's main job.
 
     torchrun --standalone --nproc_per_node=2 examples/decode_tp.py --check    # CPU: tiny model, gloo
-    torchrun --nproc_per_node=8 examples/decode_tp.py --model llama-3-70b --batch 16 --compile
-    python examples/decode_tp.py --checkpoint /path/to/Meta-Llama-3-8B --prompt-len 100,900 --batch 2
+    torchrun --nproc_per_node=8 examples/decode_tp.py --model llama-3-70b --batch 16 --prompt-len 4000 --compile
+    python examples/decode_tp.py --checkpoint /path/to/Meta-Llama-3-8B --prompt-len 100,3000 --batch 2 --compile
 
 Heads are sharded across the ranks; each rank runs ``lean_tp.decode_attention`` on its own heads
 with a grid sized to its own GPU. Prompts are random token ids (seeded), so runs are repeatable.
@@ -13,6 +13,7 @@ run's tokens, and compares every token and the final logits.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -30,10 +31,11 @@ from lean_tp.distributed import (
     torchrun_env,
 )
 from lean_tp.distributed.env import DEFAULT_TIMEOUT_S
-from lean_tp.generate import Generation, decode_one, generate, make_prompts, parse_prompt_lens
+from lean_tp.generate import Generation, decode_one, generate
 from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model
 from lean_tp.profiling import attention_fraction
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
+from example_utils import make_prompts, parse_prompt_lens
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -60,7 +62,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck collective fails the job")
     p.add_argument("--check", action="store_true", help="compare against the same model in one process")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Every check that needs no device runs here, before the process group is joined: a bad value
+    # is one line from rank 0 and exit status 2 on every rank, never a traceback per rank.
+    try:
+        args.prompt_lens = parse_prompt_lens(args.prompt_len, args.batch)
+        if args.gen < 1:
+            raise ValueError(f"--gen: expected >= 1 tokens to generate, got {args.gen}")
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout: expected seconds > 0, got {args.timeout}")
+        check_shardable(model_config(args), torchrun_env()[1])
+    except ValueError as exc:
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        p.error(str(exc))
+    return args
 
 
 def model_config(args: argparse.Namespace) -> ModelArgs:
@@ -93,6 +109,8 @@ def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_l
     prompt = make_prompts(prompt_lens, model.args.vocab_size, args.seed, ctx.device)
     step = compiled_step(ctx.device) if args.compile else decode_one
     if args.compile:  # compile, and record CUDA graphs, before timing
+        if ctx.is_main:
+            print("compiling the decode step (torch.compile fullgraph; ~45 s on CPU, minutes for big models) ...", flush=True)
         generate(model, prompt, prompt_lens, min(args.gen, 4), step=step)
     result = generate(model, prompt, prompt_lens, args.gen, step=step,
                       progress=ctx.is_main and args.gen >= PROGRESS_MIN_STEPS)
@@ -137,10 +155,7 @@ def report(args, ctx, dtype, prompt_lens, result: Generation, share: float | Non
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompt_lens = parse_prompt_lens(args.prompt_len, args.batch)
-    # Reads only the config and the environment: a model that cannot be sharded fails on every
-    # rank before any rank waits in a collective.
-    check_shardable(model_config(args), torchrun_env()[1])
+    prompt_lens = args.prompt_lens
     ctx = init_distributed(args.device, timeout_s=args.timeout)
     try:
         dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)

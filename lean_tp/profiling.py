@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -15,6 +18,24 @@ _CPU_OPS = ("lean_tp::decode_attention", "aten::scaled_dot_product_attention",
 _KERNEL_MARKS = ("attention", "fmha", "flash")
 
 
+@contextlib.contextmanager
+def _quiet_kineto(cpu: bool):
+    """On CPU, Kineto prints "USDT: ... profiler_start/profiler_stop" to stderr from C++, on every
+    rank, whatever KINETO_LOG_LEVEL says; silence file descriptor 2 while the profiler runs."""
+    if not cpu:
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 @torch.inference_mode()
 def attention_fraction(model: Transformer, step, prompt_lens: list[int], steps: int, device: torch.device) -> float | None:
     """Run ``steps`` decode steps after the prompts (the cache must have room: capacity >=
@@ -25,7 +46,7 @@ def attention_fraction(model: Transformer, step, prompt_lens: list[int], steps: 
     tokens = torch.zeros(len(prompt_lens), dtype=torch.int64, device=device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with _quiet_kineto(not cuda), profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             if cuda:

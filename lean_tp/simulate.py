@@ -217,15 +217,17 @@ def plot_gantt(problem: Problem, sms: int, path: str, programs_per_sm: int | Non
     for ax, name in zip(axes, ("lean", "fa2")):
         sched = result[name]
         for sm, start, tokens, output in sched.bars:
-            ax.barh(sm, tokens, left=start, height=0.9, color=cmap(output % 20), edgecolor="black", linewidth=0.2)
-        ax.axvline(sched.makespan, color="red", linewidth=1)
+            ax.barh(sm, tokens, left=start, height=0.9, color=cmap(output % 20), edgecolor="white", linewidth=0.3)
+        ax.axvline(sched.makespan, color="red", linewidth=1.5, label="finish (makespan)")
         title = "LeanAttention (stream-K)" if name == "lean" else f"FlashDecoding / FA2 fixed split ({sched.splits} splits)"
         ax.set_title(f"{title}\nefficiency {sched.efficiency:.2f}, finish {sched.makespan} tokens")
         ax.set_xlim(0, horizon * 1.02)
         ax.set_xlabel("time (K/V tokens read per SM)")
     axes[0].set_ylabel(f"SM ({GPU_NAMES.get(sms, '')}, {sms} SMs)")
     axes[0].invert_yaxis()
-    fig.suptitle(problem.describe())
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{problem.describe()}\nbar: one piece of work, its length the K/V tokens it reads; colour: the "
+                 "output (sequence, KV head) it belongs to, so one colour on several SMs is a split output")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -274,10 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a Gantt chart (lean vs FA2, first --sms) to this PNG")
     args = p.parse_args(argv)
     _ensure_schedule_backend(argv)
+    from tqdm import tqdm
+
     if args.paper:
-        rows = [r for prob in paper_problems() for r in table_rows(prob, args.sms, args.programs_per_sm)]
+        problems = paper_problems()
+        rows = [r for prob in tqdm(problems, desc="simulating", unit="problem", file=sys.stderr)
+                for r in table_rows(prob, args.sms, args.programs_per_sm)]  # fmt: skip
         print(format_table(rows))
         return 0
+    print(f"simulating on {', '.join(map(str, args.sms))} SMs (the schedule kernel runs in the Triton interpreter "
+          "on CPU: ~10 s per GPU) ...", file=sys.stderr, flush=True)
     problem = Problem(parse_lens(args.lens, args.batch), args.heads, args.kv_heads, args.head_dim, args.capacity)
     print(format_table(table_rows(problem, args.sms, args.programs_per_sm)))
     if args.plot:

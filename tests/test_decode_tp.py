@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lean_tp.generate import parse_prompt_lens
+from example_utils import parse_prompt_lens
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_tp.py"
@@ -72,12 +72,23 @@ def _spawn_ranks(world: int, cmd: list[str]) -> list[subprocess.Popen]:
 
 
 def test_unshardable_heads_fail_on_every_rank():
-    """tiny has 8 query heads: 3 ranks cannot split them. Every rank reports it, none waits."""
+    """tiny has 8 query heads: 3 ranks cannot split them. Every rank stops with status 2 before any
+    collective; rank 0 says why in one argparse-style line, and no rank prints a traceback."""
     procs = _spawn_ranks(3, [sys.executable, str(EXAMPLE)])
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=120)
-        assert proc.returncode != 0
-        assert "cannot shard attention: expected n_heads divisible by world_size, got n_heads=8, n_kv_heads=2, world_size=3" in err
+        assert proc.returncode == 2 and "Traceback" not in err
+        message = "cannot shard attention: expected n_heads divisible by world_size, got n_heads=8, n_kv_heads=2, world_size=3"
+        assert (message in err) == (rank == 0), err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--gen", "0"], "error: --gen: expected >= 1"),
+    (["--prompt-len", "4,5", "--batch", "3"], "error: --prompt-len: expected 1 or --batch (3) lengths"),
+])  # fmt: skip
+def test_bad_cli_values_fail_in_one_line(flags, match):
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
