@@ -47,7 +47,7 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
     """(name, command, timeout) of each step of the chosen groups, in order."""
     steps = []
     if "tests" in groups:
-        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", f"--junitxml={out}/gpu.xml"], 900))
+        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"], 900))
     if "sanitizer" in groups:
         sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
         for tool in ("memcheck", "racecheck", "synccheck"):
