@@ -237,10 +237,10 @@ def decode_attention_fwd(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
-    block_g = block_g_for(group, config)
-    workspace = workspace or alloc_workspace(num_programs, block_g, head_dim, q.device)
+    rows = kernel_constexprs(config, head_dim, group, layout.dtype, layout.page_size)  # row blocks: BLOCK_G, NUM_GC
+    workspace = workspace or alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
     if counters is None:
-        counters = torch.zeros(batch * layout.num_kv_heads * math.ceil(group / block_g), device=q.device, dtype=torch.int32)
+        counters = torch.zeros(batch * layout.num_kv_heads * rows["NUM_GC"], device=q.device, dtype=torch.int32)
     args = launch_args(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out, lse, workspace, counters,
                        softmax_scale, num_programs, config)  # fmt: skip
     launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
