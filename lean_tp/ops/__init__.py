@@ -1,6 +1,15 @@
 """One folder per op (kernel, launcher, registration, tuning, checks, torch path and reference
 together), and ``utils.py`` for helpers they share."""
 
-from lean_tp.ops.decode_attention import decode_attention
+import triton
+
+if triton.knobs.runtime.interpret:  # TRITON_INTERPRET=1: check the stack before any kernel is defined
+    import numpy
+
+    from lean_tp.ops.utils import check_interpreter_numpy
+
+    check_interpreter_numpy(triton.__version__, numpy.__version__)
+
+from lean_tp.ops.decode_attention import decode_attention  # noqa: E402
 
 __all__ = ["decode_attention"]

@@ -11,8 +11,14 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from lean_tp.ops.decode_attention.checks import check_inputs, check_types, uses_triton
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
+from lean_tp.ops.utils import interpreted
+
+# Under the interpreter the kernel is launched as is: torch 2.11's wrap_triton rejects the
+# interpreter's kernel object, and torch.compile cannot trace an interpreted kernel on any version.
+_launch = (lambda kernel: kernel) if interpreted(decode_attention_fwd_kernel) else wrap_triton
 
 
 @triton_op("lean_tp::decode_attention", mutates_args=())
@@ -33,7 +39,7 @@ def decode_attention_op(
             block_table = block_table.contiguous()
         return decode_attention_fwd(
             q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
-            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None, launch=wrap_triton,
+            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None, launch=_launch,
         )  # fmt: skip
     return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad)
 

@@ -68,7 +68,9 @@ def decode_attention_torch(
     m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
     for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table):
-        s = torch.matmul(q_g, k.float().transpose(-1, -2))
+        # K as the left operand keeps its (n, D) memory order: a (D, n) copy for the right operand
+        # is what torch 2.11's CPU Inductor miscompiles when fused with the page gather.
+        s = torch.matmul(k.float(), q_g.transpose(-1, -2)).transpose(-1, -2)
         pos = torch.arange(n0, n0 + s.shape[-1], device=q.device)
         valid = pos < lens if starts is None else (pos < lens) & (pos >= starts)
         s = s.masked_fill(~valid, float("-inf"))
