@@ -5,8 +5,9 @@
     python benchmarks/bench_decode.py --dry --out out/dry         # CPU: tiny shapes, the plumbing only
 
 Peers (benchmarks/peers.py): lean, the FlashDecoding baseline (benchmarks/flash_decoding.py), SDPA
-with a length mask, FlexAttention's decode kernel under torch.compile, and flash-attn's
-``flash_attn_with_kvcache`` and FlashInfer's batch decode when installed ("not installed" otherwise).
+with a length mask, FlexAttention's decode kernel under torch.compile, torch's ``varlen_attn``, and
+flash-attn's ``flash_attn_with_kvcache`` and FlashInfer's batch decode when installed ("not
+installed" otherwise). Results: bench_decode.csv, results.json (benchmarks/results.py) and plots.
 
 Method: the device-to-device copy bandwidth is measured first, in the same run. Every peer's output
 is checked against lean's before it is timed. Each peer is captured in one CUDA graph per input
@@ -55,6 +56,7 @@ class Shape:
     hq: int
     hkv: int
     d: int = 128
+    layout: str = "contiguous"  # the cache layout every peer is given
 
 
 def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
@@ -166,7 +168,8 @@ def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes:
 def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: list[str], timer: Timer,
                 copy_bw: float, l2_bytes: int) -> dict:
     row = dict(sweep=shape.sweep, x=shape.x, dtype=str(dtype).removeprefix("torch."), batch=len(shape.lens),
-               hq=shape.hq, hkv=shape.hkv, d=shape.d, max_len=max(shape.lens), mean_len=sum(shape.lens) // len(shape.lens))
+               hq=shape.hq, hkv=shape.hkv, d=shape.d, layout=shape.layout, max_len=max(shape.lens),
+               mean_len=sum(shape.lens) // len(shape.lens))
     notes, times = [], {}
     sets = input_sets(shape, dtype, device, l2_bytes)
     if sets is None:
@@ -185,6 +188,8 @@ def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: l
                 notes.append(f"{name}: differs from lean by {err:.2e}, not timed")
                 continue
             times[name], how = timer(fns)
+            if name != "lean":
+                row[f"{name}_err"] = float(f"{err:.3g}")
             if how:
                 notes.append(f"{name}: {how}")
         except Exception as exc:  # a peer's failure is reported in the row, never fatal
@@ -194,6 +199,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: l
     moved = moved_bytes(shape, dtype)
     for name, seconds in times.items():
         row[f"{name}_us"] = round(seconds * 1e6, 2)
+        row[f"{name}_gbps"] = float(f"{moved / seconds / 1e9:.4g}")
         row[f"{name}_pct_copy"] = float(f"{100 * moved / seconds / copy_bw:.3g}")
     for name, seconds in times.items():
         # Off the GPU, Triton kernels run in the interpreter: compare them only with each other.
@@ -205,21 +211,26 @@ def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: l
 
 
 def environment(device: torch.device, copy_bw: float) -> dict:
+    """The environment keys of a results record (benchmarks/results.py ENV_KEYS), plus CUDA's version."""
     import datetime
+    import shutil
     import subprocess
 
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    env = dict(date=datetime.date.today().isoformat(), commit=commit or "unknown", torch=torch.__version__,
-               triton=triton.__version__, copy_bandwidth_TBps=round(copy_bw / 1e12, 3))
+    def output(cmd: list[str]) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+    # A checkout copied without .git (a lent GPU machine) names its commit in LEAN_TP_COMMIT.
+    commit = os.environ.get("LEAN_TP_COMMIT") or output(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    env = dict(device="cpu (dry run)", sm_count=0, driver="none", torch=torch.__version__, triton=triton.__version__,
+               commit=commit, date=datetime.date.today().isoformat(), copy_bandwidth_gbps=round(copy_bw / 1e9, 1))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env |= dict(device=props.name, sms=props.multi_processor_count, driver=torch.cuda.driver_version()
-                    if hasattr(torch.cuda, "driver_version") else "see nvidia-smi", cuda=torch.version.cuda)
-    else:
-        env |= dict(device="cpu (dry run)")
+        smi = shutil.which("nvidia-smi")
+        driver = output([smi, "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines() if smi else []
+        env |= dict(device=props.name, sm_count=props.multi_processor_count, driver=driver[0] if driver else "unknown",
+                    cuda=torch.version.cuda)
     return env
 
 
@@ -254,6 +265,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def record(rows: list[dict], env: dict) -> dict:
+    """The results record (format in benchmarks/results.py) of the benchmark's wide rows: one row per
+    (shape, implementation) timed, and every note (a peer not timed and why, or timed eagerly)."""
+    from results import validate
+
+    timed, notes = [], []
+    for row in rows:
+        shape = dict(sweep=row["sweep"], x=row["x"], batch=row["batch"], q_heads=row["hq"], kv_heads=row["hkv"],
+                     head_dim=row["d"], dtype=row["dtype"], layout=row["layout"], context=row["max_len"],
+                     mean_context=row["mean_len"])
+        for impl in (k.removesuffix("_us") for k in row if k.endswith("_us")):
+            timed.append(shape | dict(impl=impl, time_us=row[f"{impl}_us"], gbps=row[f"{impl}_gbps"],
+                                      fraction_of_copy=float(f"{row[f'{impl}_pct_copy'] / 100:.3g}"),
+                                      max_abs_err_vs_lean=row.get(f"{impl}_err")))
+        notes += [dict(sweep=row["sweep"], x=row["x"], dtype=row["dtype"], note=n) for n in row["notes"].split("; ") if n]
+    return validate(env | dict(rows=timed, notes=notes))
+
+
 def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
     import json
 
@@ -266,8 +295,8 @@ def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
-        json.dump(env, f, indent=1)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(record(rows, env), f, indent=1)
     plot_all(rows, env, out_dir)
     for row in rows:
         speedups = ", ".join(f"{v}x vs {k.removeprefix('speedup_vs_')}" for k, v in row.items() if k.startswith("speedup_vs_"))

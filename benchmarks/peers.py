@@ -81,6 +81,39 @@ def _flash_attn(s: Inputs):
     return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)[:, 0]
 
 
+def varlen_args(s: Inputs) -> dict:
+    """Arguments of ``torch.nn.attention.varlen.varlen_attn`` for one decode step over the cache.
+
+    Where the installed torch has ``seqused_k`` (2.13), keys stay in a (B * S_max, Hkv, D) copy of the
+    cache and ``seqused_k`` bounds each sequence, with ``enable_gqa``. Older torch (2.11) takes only
+    packed keys: each sequence's valid keys are concatenated, and KV heads are repeated to Hq since
+    it has no GQA, so that peer reads group-times more K/V bytes than the others.
+    """
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v, lens = s["q"], s["k_cache"], s["v_cache"], s["cache_seqlens"]
+    batch, hkv, cap, d = k.shape
+    step = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    args = dict(query=q, cu_seq_q=step, max_q=1, max_k=cap)
+    if "seqused_k" in inspect.signature(varlen_attn).parameters:
+        flat = lambda c: c.transpose(1, 2).reshape(batch * cap, hkv, d)  # noqa: E731
+        return args | dict(key=flat(k), value=flat(v), cu_seq_k=step * cap, seqused_k=lens, enable_gqa=True)
+    group = q.shape[1] // hkv
+    packed = lambda c: torch.cat([c[b, :, :n].transpose(0, 1) for b, n in enumerate(lens.tolist())]).repeat_interleave(group, 1)  # noqa: E731
+    cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+    return args | dict(key=packed(k), value=packed(v), cu_seq_k=cu_k)
+
+
+def _varlen(s: Inputs):
+    """PyTorch's own FlashAttention varlen entry point, ``varlen_attn``, with one query per sequence."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    args = varlen_args(s)
+    return lambda: varlen_attn(**args)
+
+
 FLASHINFER_PAGE = 16
 
 
@@ -114,6 +147,7 @@ PEERS: dict[str, Peer] = {
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
+        Peer("varlen", _varlen, needs="torch.nn.attention.varlen", cuda_only=True),
         Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),
         Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True),
     )

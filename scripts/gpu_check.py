@@ -1,15 +1,22 @@
-"""The project's GPU check: CUDA tests, compute-sanitizer, a short benchmark, one summary table.
+"""The project's GPU check: CUDA tests, compute-sanitizer, a short benchmark and the decode loops, in one call.
 
-Run it whenever a CUDA GPU is available and record the table in docs/BENCHMARKS.md:
+    python scripts/gpu_check.py --out DIR [--groups tests bench sanitizer loops] [--budget 480]
 
-    python scripts/gpu_check.py [--out DIR] [--groups tests sanitizer bench loops]
-
-Results (logs, JUnit XML, benchmark CSV) go to DIR (default: $OUT or ./out/gpu_check).
+Runs from a bare checkout (no install step: the checkout is put on the path of every step) on a
+machine that has torch, triton and transformers. Optional packages (DeepSpeed, flash-attn,
+FlashInfer) are reported as "not installed" when absent. Every step shares one time budget, so
+one call ends within --budget seconds; steps that no longer fit are reported as skipped, and
+--groups runs the rest in another call. DIR receives each step's log, the benchmark's CSV and
+plots, and ``<date>-<device>.json``: the results record (benchmarks/results.py) with every
+step's status, ready to commit as docs/results/. See docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -17,94 +24,134 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Single-GPU decode loop for docs/BENCHMARKS.md: llama-3-8b (random weights, bf16), a ragged batch.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+# Single-GPU decode loop: llama-3-8b (random weights, bf16), a ragged batch.
 DECODE_TP = ["examples/decode_tp.py", "--model", "llama-3-8b", "--batch", "8", "--gen", "128",
              "--prompt-len", "256,512,1024,2048,4096,6144,7000,7900"]
 COMPILE_HF = ["examples/compile_hf.py", "--config", "llama-3-8b", "--batch", "8", "--prompt-len", "4000", "--gen", "128"]
 DECODE_TP_VARIANTS = {"eager lean": [], "eager sdpa": ["--attention", "sdpa"],
                       "compiled lean": ["--compile"], "compiled sdpa": ["--compile", "--attention", "sdpa"]}
+GROUPS = ("tests", "bench", "sanitizer", "loops")  # in order of value: a short budget runs the first
+MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
+# module name -> distribution name, for the versions reported in the record
+PACKAGES = {"torch": "torch", "triton": "triton", "transformers": "transformers", "numpy": "numpy",
+            "pytest": "pytest", "hypothesis": "hypothesis", "matplotlib": "matplotlib", "deepspeed": "deepspeed",
+            "flash_attn": "flash-attn", "flashinfer": "flashinfer-python"}
 
 
-def run(name: str, cmd: list[str], out_dir: str, timeout: int) -> tuple[str, str, float]:
-    """Run one step, log it to out_dir/name.log, and return (name, status, seconds)."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+def packages() -> dict[str, str]:
+    """Version of each package the steps may use, or "not installed"."""
+    found = {}
+    for module, dist in PACKAGES.items():
+        if importlib.util.find_spec(module) is None:
+            found[module] = "not installed"
+            continue
+        try:
+            found[module] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[module] = "installed (version unknown)"
+    return found
+
+
+def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[str], int]]:
+    """(name, command, timeout in seconds) of each step of the chosen groups, in GROUPS order."""
+    steps = []
+    if "tests" in groups:
+        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"], 300))
+    if "bench" in groups:
+        steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
+    if "sanitizer" in groups:
+        sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        for tool in ("memcheck", "racecheck", "synccheck"):
+            cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", py, "scripts/sanitizer_case.py"]
+            steps.append((f"compute-sanitizer {tool}", cmd, 120))
+    if "loops" in groups:
+        for label, extra in DECODE_TP_VARIANTS.items():
+            steps.append((f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], 180))
+        for attention in ("lean", "sdpa"):  # transformers generate(), compiled, static cache, random 8B weights
+            steps.append((f"compile_hf 8b {attention}", [py, *COMPILE_HF, "--attention", attention], 240))
+    return steps
+
+
+def run(name: str, cmd: list[str], out_dir: str, timeout: float) -> dict:
+    """Run one step with its log in out_dir/<name>.log; returns {name, status, seconds}."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     start = time.time()
     with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
             status = "PASS" if rc == 0 else f"FAIL (rc={rc})"
         except subprocess.TimeoutExpired:
-            status = f"TIMEOUT ({timeout}s)"
-    seconds = time.time() - start
-    print(f"{name:<28} {status:<16} {seconds:7.1f}s", flush=True)
-    return name, status, seconds
+            status = f"TIMEOUT ({timeout:.0f}s)"
+    return dict(name=name, status=status, seconds=round(time.time() - start, 1))
 
 
-GROUPS = ("tests", "sanitizer", "bench", "loops")
-
-
-def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[str], int]]:
-    """(name, command, timeout) of each step of the chosen groups, in order."""
-    steps = []
-    if "tests" in groups:
-        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"], 900))
-    if "sanitizer" in groups:
-        sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        for tool in ("memcheck", "racecheck", "synccheck"):
-            cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", py, "scripts/sanitizer_case.py"]
-            steps.append((f"compute-sanitizer {tool}", cmd, 600))
-    if "bench" in groups:
-        steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 900))
-    if "loops" in groups:
-        for label, extra in DECODE_TP_VARIANTS.items():
-            steps.append((f"decode_tp 8b {label}", [py, *DECODE_TP, *extra], 600))
-        for attention in ("lean", "sdpa"):  # transformers generate(), compiled, static cache, random 8B weights
-            steps.append((f"compile_hf 8b {attention}", [py, *COMPILE_HF, "--attention", attention], 600))
-    return steps
-
-
-def summarize(steps: list[tuple[str, str, float]], out: str) -> None:
-    print("\n| step | status | seconds |\n|---|---|---|")
-    for name, status, seconds in steps:
-        print(f"| {name} | {status} | {seconds:.1f} |")
+def loop_results(out: str) -> dict[str, str]:
+    """The figures each decode-loop log printed, by step name."""
+    found = {}
     for label in DECODE_TP_VARIANTS:
         log = os.path.join(out, f"decode_tp 8b {label}.log")
         if os.path.exists(log):
             lines = [line.strip() for line in open(log) if line.startswith(("decode:", "attention:"))]
-            print(f"llama-3-8b {label}: {' | '.join(lines) or 'no result'}")
+            found[f"decode_tp llama-3-8b {label}"] = " | ".join(lines) or "no result"
     for attention in ("lean", "sdpa"):
         log = os.path.join(out, f"compile_hf 8b {attention}.log")
         if os.path.exists(log):
             lines = [line.strip() for line in open(log) if "tokens/s" in line]
-            print(f"transformers generate llama-3-8b {attention}: {' | '.join(lines) or 'no result'}")
-    csv_path = os.path.join(out, "bench_decode.csv")
-    if os.path.exists(csv_path):
-        print("\n" + open(csv_path).read())
+            found[f"transformers generate llama-3-8b {attention}"] = " | ".join(lines) or "no result"
+    return found
 
 
-def main() -> int:
+def write_record(out: str, env: dict, steps: list[dict], found_packages: dict[str, str]) -> str:
+    """Merge the benchmark's record (if it ran) with the steps; returns the path written."""
+    from results import file_name, validate
+
+    bench = os.path.join(out, "results.json")
+    record = json.load(open(bench)) if os.path.exists(bench) else env | dict(rows=[], notes=[])
+    record |= dict(packages=found_packages, steps=steps, loops=loop_results(out))
+    path = os.path.join(out, file_name(validate(record)))
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
     parser.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS),
                         help="run only these groups, e.g. one group per time-limited device call")
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    parser.add_argument("--budget", type=float, default=480, help="seconds for all steps together (480)")
+    args = parser.parse_args(argv)
     import torch
-    import triton
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
+        print(f"gpu_check: no CUDA device visible to torch {torch.__version__}; nothing to check", file=sys.stderr)
         return 2
-    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton {triton.__version__}")
-    results = []
+    from bench_decode import copy_bandwidth, environment
+
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    env = environment(device, copy_bandwidth(device))  # the record of a run without the benchmark has it too
+    found = packages()
+    print(f"device: {env['device']} ({env['sm_count']} SMs), driver {env['driver']}; "
+          + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
+    deadline, steps = time.time() + args.budget, []
     for name, cmd, timeout in planned_steps(args.groups, sys.executable, args.out):
+        left = deadline - time.time()
         if not (shutil.which(cmd[0]) or os.path.exists(cmd[0])):
-            print(f"{name:<28} NOT FOUND")
-            results.append((name, "NOT FOUND", 0.0))
-            continue
-        results.append(run(name, cmd, args.out, timeout))
-    summarize(results, args.out)
-    return 0 if all(s == "PASS" for _, s, _ in results) else 1
+            steps.append(dict(name=name, status="NOT FOUND", seconds=0.0))
+        elif left < MIN_STEP_SECONDS:
+            steps.append(dict(name=name, status="SKIPPED (budget)", seconds=0.0))
+        else:
+            steps.append(run(name, cmd, args.out, min(timeout, left)))
+        print(f"{name:<28} {steps[-1]['status']:<18} {steps[-1]['seconds']:7.1f}s", flush=True)
+    path = write_record(args.out, env, steps, found)
+    print(f"\nrecord: {path} (commit it as docs/results/{os.path.basename(path)})")
+    for name, text in loop_results(args.out).items():
+        print(f"{name}: {text}")
+    return 0 if all(s["status"] == "PASS" for s in steps) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench_decode  # noqa: E402
-from peers import PEERS, Peer  # noqa: E402
+import results  # noqa: E402
+from peers import PEERS, Peer, varlen_args  # noqa: E402
+
+from lean_tp.ops.decode_attention.naive import decode_attention_ref  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +46,20 @@ def test_dry_run_times_every_available_peer(dry_run):
     assert "lean's speedup (peer time / lean time):" in stdout and "x vs flash-decoding" in stdout
 
 
-def test_dry_run_records_environment_and_plots(dry_run):
+def test_dry_run_records_results_and_plots(dry_run):
     out, _ = dry_run
-    env = json.load(open(out / "bench_decode.json"))
-    assert {"date", "commit", "torch", "triton", "copy_bandwidth_TBps", "device"} <= set(env)
+    record = results.validate(json.load(open(out / "results.json")))
+    assert record["device"] == "cpu (dry run)" and record["copy_bandwidth_gbps"] > 0
+    rows = list(csv.DictReader(open(out / "bench_decode.csv")))
+    # One record row per (CSV row, implementation timed), with the CSV's time and the shape's metadata.
+    assert len(record["rows"]) == sum(1 for row in rows for k in row if k.endswith("_us") and row[k])
+    for r in record["rows"]:
+        assert r["layout"] == "contiguous" and r["time_us"] > 0 and 0 < r["fraction_of_copy"]
+        assert r["gbps"] == pytest.approx(r["fraction_of_copy"] * record["copy_bandwidth_gbps"], rel=0.02)
+        assert (r["max_abs_err_vs_lean"] is None) == (r["impl"] == "lean")
+        if r["impl"] != "lean":
+            assert 0 <= r["max_abs_err_vs_lean"] <= bench_decode.CHECK_ATOL[torch.float32]
+    assert {"flash-attn: not installed", "flash-attn: needs CUDA"} & {n["note"] for n in record["notes"]}
     for name in ("speedup.png", "bandwidth.png"):
         assert (out / name).stat().st_size > 10_000
 
@@ -83,3 +96,41 @@ def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
 def test_moved_bytes_counts_lengths_not_capacity():
     shape = bench_decode.Shape("ragged", "x", (100, 10), 8, 2, 64)
     assert bench_decode.moved_bytes(shape, torch.bfloat16) == (2 * 110 * 2 * 64 + 2 * 2 * 8 * 64) * 2
+
+
+def _varlen_ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=None, enable_gqa=False):
+    """float64 meaning of varlen_attn's arguments for one query per sequence: sequence b's keys are
+    ``key[cu_seq_k[b] : cu_seq_k[b] + n_b]``, n_b from ``seqused_k`` or the next offset."""
+    assert max_q == 1 and torch.equal(cu_seq_q, torch.arange(len(cu_seq_k), dtype=torch.int32))
+    outs = []
+    for b in range(len(cu_seq_k) - 1):
+        start = int(cu_seq_k[b])
+        n = int(seqused_k[b]) if seqused_k is not None else int(cu_seq_k[b + 1]) - start
+        assert n <= max_k
+        k, v = key[start : start + n].double(), value[start : start + n].double()  # (n, H, D)
+        group = query.shape[1] // k.shape[1]
+        assert group == 1 or enable_gqa
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", query[b].double(), k) * query.shape[-1] ** -0.5, -1)
+        outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("torch_has_seqused_k", [True, False])
+def test_varlen_peer_arguments_mean_decode_attention(monkeypatch, torch_has_seqused_k):
+    import torch.nn.attention.varlen as varlen
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        """Packed keys, no GQA."""
+
+    def torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        """Adds seqused_k, block_table and enable_gqa."""
+
+    monkeypatch.setattr(varlen, "varlen_attn", torch_2_13 if torch_has_seqused_k else torch_2_11)
+    torch.manual_seed(0)
+    s = bench_decode.make_set(bench_decode.Shape("ragged", "x", (37, 1, 64), 8, 2, 64), torch.float32, torch.device("cpu"))
+    args = varlen_args(s)
+    assert ("seqused_k" in args) == torch_has_seqused_k and args["key"].shape[1] == (2 if torch_has_seqused_k else 8)
+    ref, _ = decode_attention_ref(**s)
+    torch.testing.assert_close(_varlen_ref(**args), ref, atol=1e-5, rtol=1e-5)
