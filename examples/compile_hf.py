@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lean_tp.integrations.transformers as lean_hf
 from lean_tp.model import CONFIGS
-from example_utils import TINY_HF_LLAMA, parse_prompt_lens, random_left_padded_batch
+from example_utils import TINY_HF_LLAMA, TokenProgress, parse_prompt_lens, random_left_padded_batch
 
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = dict(attention_mask=mask, max_new_tokens=args.gen, do_sample=False, cache_implementation="static",
                   pad_token_id=model.config.pad_token_id or 0)
     torch._dynamo.utils.counters.clear()
-    model.generate(ids, **kwargs)  # compile (and record CUDA graphs) before timing
+    model.generate(ids, **kwargs, streamer=TokenProgress(args.gen, "compile run"))  # compile (and record CUDA graphs) before timing
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
     if args.device.startswith("cuda"):
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         return 0
     print("check: generating the same tokens with an eager SDPA copy ...", flush=True)
-    expected = load(args, "sdpa").generate(ids, **kwargs)
+    expected = load(args, "sdpa").generate(ids, **kwargs, streamer=TokenProgress(args.gen, "eager SDPA"))
     if torch.equal(out, expected):
         print(f"check: OK ({out[:, ids.shape[1]:].numel()} tokens identical to eager SDPA)")
         return 0

@@ -17,9 +17,59 @@ import os
 import statistics
 import sys
 
-import torch
+from example_utils import parse_prompt_lens
 
-from lean_tp.distributed import (
+# --dtype's names, and the torch dtype each one means
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
+               "float32": "float32"}
+
+
+def make_parser(model_names: list[str] | None = None, timeout_default: float | None = None) -> argparse.ArgumentParser:
+    """The CLI. Without ``model_names`` it needs no torch: the early check before the imports uses it."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=model_names is not None)
+    p.add_argument("--model", default="tiny", choices=model_names, help="built-in config, random weights")
+    p.add_argument("--checkpoint", help="Hugging Face directory (config.json + *.safetensors); overrides --model")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", default="32,64,96,128",
+                   help="one length for every sequence, or a comma list of --batch lengths (ragged batch)")
+    p.add_argument("--gen", type=int, default=64, help="tokens to generate per sequence")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention", choices=("lean", "sdpa"), default="lean", help="decode attention")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=timeout_default, help="seconds before a stuck collective fails the job")
+    p.add_argument("--check", action="store_true", help="compare against the same model in one process")
+    return p
+
+
+def fail(p: argparse.ArgumentParser, message: str):
+    """One argparse-style line from rank 0 and exit status 2 on every rank, never a traceback per rank."""
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(2)
+    p.error(message)
+
+
+def check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks that read only the flags; sets ``args.prompt_lens``."""
+    try:
+        args.prompt_lens = parse_prompt_lens(args.prompt_len, args.batch)
+        if args.gen < 1:
+            raise ValueError(f"--gen: expected >= 1 tokens to generate, got {args.gen}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise ValueError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    except ValueError as exc:
+        fail(p, str(exc))
+
+
+if __name__ == "__main__":  # before torch is imported: a bad value fails in a fraction of a second
+    _early = make_parser()
+    check_values(_early, _early.parse_known_args()[0])
+
+import torch  # noqa: E402
+
+from lean_tp.distributed import (  # noqa: E402
     DistContext,
     all_ranks_agree,
     apply_tp,
@@ -30,15 +80,14 @@ from lean_tp.distributed import (
     shutdown,
     torchrun_env,
 )
-from lean_tp.distributed.env import DEFAULT_TIMEOUT_S
-from lean_tp.generate import Generation, decode_one, generate
-from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model
-from lean_tp.profiling import attention_fraction
-from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
-from example_utils import make_prompts, parse_prompt_lens
+from lean_tp.distributed.env import DEFAULT_TIMEOUT_S  # noqa: E402
+from lean_tp.generate import Generation, decode_one, generate  # noqa: E402
+from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model  # noqa: E402
+from lean_tp.profiling import attention_fraction  # noqa: E402
+from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config  # noqa: E402
+from example_utils import make_prompts  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 # (atol, rtol) on logits for --check. fp32: TP only reorders the row-parallel sums (~1e-6).
 # fp16/bf16: activations are rounded at every layer boundary, so a few ulps accumulate over layers.
 CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
@@ -47,35 +96,14 @@ PROGRESS_MIN_STEPS = 100
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", choices=sorted(CONFIGS), help="built-in config, random weights")
-    p.add_argument("--checkpoint", help="Hugging Face directory (config.json + *.safetensors); overrides --model")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", default="32,64,96,128",
-                   help="one length for every sequence, or a comma list of --batch lengths (ragged batch)")
-    p.add_argument("--gen", type=int, default=64, help="tokens to generate per sequence")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attention", choices=("lean", "sdpa"), default="lean", help="decode attention")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck collective fails the job")
-    p.add_argument("--check", action="store_true", help="compare against the same model in one process")
+    """Every check that needs no device runs here, before the process group is joined."""
+    p = make_parser(sorted(CONFIGS), DEFAULT_TIMEOUT_S)
     args = p.parse_args(argv)
-    # Every check that needs no device runs here, before the process group is joined: a bad value
-    # is one line from rank 0 and exit status 2 on every rank, never a traceback per rank.
+    check_values(p, args)
     try:
-        args.prompt_lens = parse_prompt_lens(args.prompt_len, args.batch)
-        if args.gen < 1:
-            raise ValueError(f"--gen: expected >= 1 tokens to generate, got {args.gen}")
-        if not args.timeout > 0:
-            raise ValueError(f"--timeout: expected seconds > 0, got {args.timeout}")
         check_shardable(model_config(args), torchrun_env()[1])
     except ValueError as exc:
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(2)
-        p.error(str(exc))
+        fail(p, str(exc))
     return args
 
 

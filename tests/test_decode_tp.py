@@ -85,9 +85,15 @@ def test_unshardable_heads_fail_on_every_rank():
 @pytest.mark.parametrize("flags,match", [
     (["--gen", "0"], "error: --gen: expected >= 1"),
     (["--prompt-len", "4,5", "--batch", "3"], "error: --prompt-len: expected 1 or --batch (3) lengths"),
+    (["--timeout", "-1"], "error: --timeout: expected seconds > 0"),
+    (["--batch", "x"], "error: argument --batch: invalid int value"),
 ])  # fmt: skip
-def test_bad_cli_values_fail_in_one_line(flags, match):
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=120)
+def test_bad_cli_values_fail_in_one_line_before_torch_is_imported(flags, match, tmp_path):
+    # A torch that cannot be imported: the error must come from the flags, not from the import.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported before the flags were checked')")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

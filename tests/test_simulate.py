@@ -16,6 +16,8 @@ from lean_tp.simulate import (
     main,
     paper_problems,
     simulate,
+    table_rows,
+    table_rows_parallel,
 )
 
 SMS = [108, 132, 148]
@@ -120,3 +122,10 @@ def test_cli_table_and_gantt(tmp_path, capsys):
     assert out.count("SMs) | B=4 Hq=32 Hkv=32") == 3 and "bound vs FA2" in out
     assert png.stat().st_size > 10_000
     assert math.isfinite(float(out.split("|")[-2].strip().rstrip("x")))
+
+
+def test_parallel_rows_match_sequential_rows_in_order():
+    problems = [Problem((300, 40), 4, 2, 64), Problem((700,), 2, 2, 64), Problem((300, 40), 4, 2, 64)]
+    got = table_rows_parallel(problems, [12, 16], workers=2, progress=False)
+    want = [row for prob in problems for row in table_rows(prob, [12, 16])]
+    assert got == want and len(got) == 6
