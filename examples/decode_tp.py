@@ -47,6 +47,10 @@ def make_parser(model_names: list[str] | None = None, timeout_default: float | N
 def fail(p: argparse.ArgumentParser, message: str):
     """One argparse-style line from rank 0 and exit status 2 on every rank, never a traceback per rank."""
     if os.environ.get("RANK", "0") != "0":
+        # torchrun stops every rank once one exits: give rank 0 the moment it needs to print first.
+        import time
+
+        time.sleep(1.0)
         sys.exit(2)
     p.error(message)
 
