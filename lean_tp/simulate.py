@@ -32,7 +32,7 @@ import torch
 from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import config_for
-from lean_tp.ops.utils import interpreted
+from lean_tp.ops.utils import interpreted, map_in_processes
 
 # Tuning-table architecture of each simulated GPU. B200 (148 SMs) has no table row of its own yet,
 # so it uses the Hopper one.
@@ -199,27 +199,16 @@ def table_rows_parallel(problems: list[Problem], sms_list: list[int], programs_p
     Off the GPU the schedule kernel runs in the interpreter, one program at a time on one core, so
     the (problem, SM count) runs are spread over one process per core.
     """
-    import concurrent.futures
-    import multiprocessing
-
-    from tqdm import tqdm
-
     jobs = [(prob, sms) for prob in problems for sms in sms_list]
     unique = list(dict.fromkeys(jobs))
-    bar = tqdm(total=len(unique), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
+    calls = [(prob, [sms], programs_per_sm) for prob, sms in unique]
     if torch.cuda.is_available():
-        done = {}
-        for job in unique:
-            done[job] = table_rows(job[0], [job[1]], programs_per_sm)[0]
-            bar.update()
-    else:
-        ctx = multiprocessing.get_context("spawn")  # the workers inherit TRITON_INTERPRET=1
-        with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
-            futures = {job: pool.submit(table_rows, job[0], [job[1]], programs_per_sm) for job in unique}
-            for _ in concurrent.futures.as_completed(futures.values()):
-                bar.update()
-            done = {job: f.result()[0] for job, f in futures.items()}
-    bar.close()
+        from tqdm import tqdm
+
+        results = [table_rows(*call) for call in tqdm(calls, desc="simulating", unit="run", disable=not progress, file=sys.stderr)]
+    else:  # the workers inherit TRITON_INTERPRET=1
+        results = map_in_processes(table_rows, calls, "simulating", "run", workers, progress)
+    done = {job: rows[0] for job, rows in zip(unique, results)}
     return [done[job] for job in jobs]
 
 

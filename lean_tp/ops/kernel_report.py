@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import dataclasses
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -129,18 +127,12 @@ def report_jobs(variants: bool = False) -> list[tuple]:
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
     """Compile ``jobs`` in parallel processes (each compile is single-threaded), with a progress bar."""
-    from tqdm import tqdm
+    from lean_tp.ops.utils import map_in_processes
 
     env_interp = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # the workers must compile, not interpret
     try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
-            futures = [pool.submit(compile_stats, *job) for job in jobs]
-            for _ in tqdm(concurrent.futures.as_completed(futures), total=len(jobs), desc="compiling kernels",
-                          unit="kernel", disable=not progress, file=sys.stderr):  # fmt: skip
-                pass
-            return [f.result() for f in futures]
+        return map_in_processes(compile_stats, jobs, "compiling kernels", "kernel", workers, progress)
     finally:
         if env_interp is None:
             os.environ.pop("TRITON_INTERPRET")

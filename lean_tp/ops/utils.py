@@ -3,6 +3,10 @@ flash-linear-attention): nothing here knows about one op."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
 
 def interpreted(kernel: object) -> bool:
     """True when ``kernel`` was defined under ``TRITON_INTERPRET=1`` and so runs on CPU tensors.
@@ -13,6 +17,28 @@ def interpreted(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+def map_in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], desc: str, unit: str,
+                     workers: int | None = None, progress: bool = True) -> list[Any]:
+    """``[fn(*job) for job in jobs]``, one process per core, with a progress bar as jobs finish.
+
+    For CPU-bound single-threaded work (Triton compiles, interpreted kernels). Workers are spawned,
+    so they import afresh and inherit the environment as it is at the call (``TRITON_INTERPRET``).
+    """
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    from tqdm import tqdm
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        for _ in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc=desc, unit=unit,
+                      disable=not progress, file=sys.stderr):  # fmt: skip
+            pass
+        return [f.result() for f in futures]
 
 
 def _major_minor(version: str) -> tuple[int, int]:
