@@ -105,6 +105,14 @@ def test_decode_attention_triton_large_group_chunks():
     assert_matches_ref(out, lse, inputs, atol=2e-5)
 
 
+def test_decode_attention_triton_rejects_strided_out():
+    """The kernel derives out's and lse's strides from the shape, so strided buffers are refused."""
+    inputs = make_inputs([5], 4, 1, 64, torch.float32, seed=1)
+    strided = torch.empty(1, 64, 4).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"out, lse: expected contiguous tensors, got strides \(256, 1, 4\)"):
+        decode_attention_fwd(**inputs, softmax_scale=0.1, out=strided)
+
+
 def test_decode_attention_triton_counters_reset_and_deterministic():
     """The kernel leaves its counters at zero, so a reused buffer gives identical results."""
     config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: many split outputs")

@@ -54,11 +54,14 @@ def test_every_table_entry_compiles_for_every_layout(stats):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sm90_16bit_kernels_are_fast_by_construction(stats, layout):
-    """No spills, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs per SM for D <= 128."""
+    """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
+    per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
+    the next occupancy step; more than a few words would mean the loop's live state does not fit."""
     rows = [s for s in _report_rows(stats) if s.arch == "sm90" and s.dtype == "fp16" and s.layout == layout]
     assert rows
     for s in rows:
-        assert s.spill_bytes == 0, s
+        assert s.loop_spills == 0 and s.spill_bytes <= 32, s
+        assert s.sass_per_iter > 0, s
         assert s.kv_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
@@ -115,8 +118,8 @@ def test_launch_args_must_name_every_kernel_parameter():
 
     args = {name: 0 for name in decode_attention_fwd_kernel.arg_names}
     assert check_launch_args(decode_attention_fwd_kernel, dict(args)) == args
-    with pytest.raises(TypeError, match=r"missing \['stride_lb'\], unknown \['stride_lse'\]"):
-        check_launch_args(decode_attention_fwd_kernel, {**{k: v for k, v in args.items() if k != "stride_lb"}, "stride_lse": 0})
+    with pytest.raises(TypeError, match=r"missing \['stride_bt'\], unknown \['stride_table'\]"):
+        check_launch_args(decode_attention_fwd_kernel, {**{k: v for k, v in args.items() if k != "stride_bt"}, "stride_table": 0})
 
 
 def test_programs_per_sm_follows_the_occupancy_rules():
@@ -132,3 +135,23 @@ def test_programs_per_sm_follows_the_occupancy_rules():
     assert programs_per_sm(64, 113 * 1024, 4, h100) == 2
     assert programs_per_sm(64, 114 * 1024, 4, h100) == 1
     assert programs_per_sm(32, 0, 4, h100) == 16  # threads: 2048 / 128
+
+
+def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
+    from lean_tp.ops.kernel_report import kv_loop_of_sass
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R2, R3, R4, RZ ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64] ;
+        /*0030*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
+        /*0040*/                   LDL R51, [R1] ;
+        /*0050*/              @!P1 BRA 0x20 ;
+        /*0060*/                   FFMA R7, R7, R8, R9 ;
+        /*0070*/               @P2 BRA 0x60 ;
+        /*0080*/              @!P3 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+        /*00a0*/                   BRA 0xa0;
+    """
+    # Loops: 0x20-0x50 (HMMA), 0x60-0x70 (one FFMA), 0x10-0x80 (outer, holds both), 0xa0 (the trap).
+    assert kv_loop_of_sass(sass) == (4, 1)

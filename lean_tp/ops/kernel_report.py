@@ -2,18 +2,25 @@
 
     python -m lean_tp.ops.kernel_report            # markdown table (docs/kernel_report.md)
     python -m lean_tp.ops.kernel_report --json     # one object per kernel, for machines
+    python -m lean_tp.ops.kernel_report --set block_n=128   # a trial: every entry with a field changed
 
 Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize it
 (``launcher.compile_as_launched``), with a GQA group of 4. Read from the cubin and PTX:
 
 - ``regs``, ``spill_bytes`` (the stack frame; Triton kernels make no calls, so it holds spills),
-  ``shared_bytes`` (dynamic + static);
+  ``shared_bytes`` (dynamic + static); ``loop_spills``: local-memory loads and stores (``LDL``,
+  ``STL``) inside the K/V loop. ptxas spills a few cold values (read once per segment or once per
+  program) when that reaches the next occupancy step (e.g. 128 registers: 2 programs of 8 warps);
+  a spill inside the loop would cost on every K/V block;
 - ``programs_per_sm`` on an A100 (sm_80) or H100 (sm_90), from ``launcher.programs_per_sm``;
 - ``kv_load_bytes``: width of the K/V global loads, the most frequent width among ``cp.async``
   copies (or ``ld.global`` data loads when nothing is copied asynchronously), since the K/V tiles
   are by far the most numerous loads;
 - ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered), and
-  ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none).
+  ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none);
+- ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
+  ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
+  ``FFMA`` for fp32's "ieee" dots).
 
 No GPU is needed: ``ptxas`` and ``cuobjdump`` come with Triton.
 """
@@ -45,6 +52,7 @@ class KernelStats:
     layout: str
     group: int
     leftpad: bool
+    block_n: int
     regs: int
     spill_bytes: int
     shared_bytes: int
@@ -52,6 +60,8 @@ class KernelStats:
     kv_load_bytes: int
     kv_buffers: int
     wait_group: int
+    sass_per_iter: int
+    loop_spills: int
 
 
 def _cuobjdump() -> str:
@@ -70,6 +80,29 @@ def _resources(cubin: bytes) -> tuple[int, int, int]:
     return int(regs), int(stack), int(shared)
 
 
+def _kv_loop(cubin: bytes) -> tuple[int, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return kv_loop_of_sass(subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout)
+
+
+def kv_loop_of_sass(text: str) -> tuple[int, int]:
+    """(instructions, LDL/STL) of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
+    (a backward branch with no other loop inside) holding the most HMMA/HGMMA/FFMA."""
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)]
+    loops = [(int(target, 16), int(addr, 16)) for addr, target in re.findall(r"/\*([0-9a-f]+)\*/[^;]*?\bBRA\b[^;]*?0x([0-9a-f]+)\s*;", text)
+             if int(target, 16) < int(addr, 16)]  # fmt: skip
+    innermost = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+
+    def macs(loop: tuple[int, int]) -> int:
+        return sum(op.split(".")[0] in ("HMMA", "HGMMA", "FFMA") for a, op in code if loop[0] <= a <= loop[1])
+
+    lo, hi = max(innermost, key=macs, default=(0, -1))
+    body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
+    return len(body), sum(op in ("LDL", "STL") for op in body)
+
+
 def _kv_load_bytes(ptx: str) -> int:
     widths = [int(w, 16) for w in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?, (0x[0-9a-f]+)", ptx)]
     if not widths:  # no async copies: data loads into registers (.cg loads are the merge's partials)
@@ -79,15 +112,18 @@ def _kv_load_bytes(ptx: str) -> int:
 
 
 def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int = REPORT_GROUP,
-                  leftpad: bool = False) -> KernelStats:  # fmt: skip
-    """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics."""
+                  leftpad: bool = False, overrides: tuple[tuple[str, int], ...] = ()) -> KernelStats:  # fmt: skip
+    """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics.
+
+    ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings.
+    """
     from triton.backends.compiler import GPUTarget
 
     from lean_tp.ops.decode_attention.launcher import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
     from lean_tp.ops.decode_attention.tuning import config_for
 
     torch_dtype = DTYPES[dtype]
-    config = config_for(arch, head_dim, torch_dtype)
+    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype), **dict(overrides))
     args = example_args(torch_dtype, head_dim, group, LAYOUTS[layout], leftpad, config)
     kernel = compile_as_launched(args, config, GPUTarget("cuda", int(arch[2:]), 32))
     regs, stack, static_shared = _resources(kernel.asm["cubin"])
@@ -95,14 +131,25 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
     tile_bytes = config.block_n * head_dim * torch_dtype.itemsize
     return KernelStats(
-        arch, head_dim, dtype, layout, group, leftpad, regs, stack, shared,
+        arch, head_dim, dtype, layout, group, leftpad, config.block_n, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
+        *_kv_loop(kernel.asm["cubin"]),
     )  # fmt: skip
 
 
-def report_jobs(variants: bool = False) -> list[tuple]:
-    """(arch, head_dim, dtype, layout, group, leftpad) of every kernel to report.
+def _valid(config, overrides: tuple[tuple[str, int], ...]) -> bool:
+    """Whether a trial's overrides make a valid configuration of this entry (block_n=128 does not
+    divide a 64-token tile, for example); entries they do not fit are left out of the trial."""
+    try:
+        dataclasses.replace(config, **dict(overrides))
+    except ValueError:
+        return False
+    return True
+
+
+def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] = ()) -> list[tuple]:
+    """(arch, head_dim, dtype, layout, group, leftpad, overrides) of every kernel to report.
 
     The report proper: each GPU tuning-table entry x layout, group 4. ``variants`` adds what else
     the table can select: bf16, groups 1 and 64 (every row block), a group of 24 where it splits
@@ -111,18 +158,18 @@ def report_jobs(variants: bool = False) -> list[tuple]:
     from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 
     jobs = []
-    for arch, head_dim, size in TUNING_TABLE:
-        if arch == "interp":
+    for (arch, head_dim, size), config in TUNING_TABLE.items():
+        if arch == "interp" or not _valid(config, overrides):
             continue
         dtype = "fp16" if size == 2 else "fp32"
         jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False) for layout in LAYOUTS]
         if variants:
-            groups = (1, 64) + ((24,) if TUNING_TABLE[arch, head_dim, size].max_block_g < 24 else ())
+            groups = (1, 64) + ((24,) if config.max_block_g < 24 else ())
             jobs += [(arch, head_dim, dtype, "paged16", g, False) for g in groups]
             jobs.append((arch, head_dim, dtype, "contiguous", REPORT_GROUP, True))
             if size == 2:
                 jobs.append((arch, head_dim, "bf16", "paged16", REPORT_GROUP, True))
-    return jobs
+    return [job + (overrides,) for job in jobs]
 
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
@@ -148,26 +195,44 @@ def to_markdown(rows: list[KernelStats]) -> str:
         f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} "
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
-        "| arch | D | dtype | layout | regs | spill B | smem KB | programs/SM | K/V load B | K/V buffers | wait_group |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | K/V buffers | wait_group "
+        "| BLOCK_N | SASS/iter |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.shared_bytes / 1024:.1f} "
-            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} |"
+            f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.shared_bytes / 1024:.1f} "
+            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} "
+            f"| {r.block_n} | {r.sass_per_iter} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _parse_overrides(p: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
+    from lean_tp.ops.decode_attention.tuning import DecodeConfig
+
+    fields = [f.name for f in dataclasses.fields(DecodeConfig) if f.type in (int, "int")]
+    overrides = []
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            p.error(f"--set: expected FIELD=INTEGER with FIELD one of {fields}, got {item!r}")
+        overrides.append((name, int(value)))
+    return tuple(overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lean_tp.ops.kernel_report", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object per kernel instead of markdown")
     p.add_argument("--variants", action="store_true", help="also compile bf16, other groups and left padding")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="trial: replace a tuning-table field (e.g. block_n=128) in every entry")
     p.add_argument("--workers", type=int, default=None, help="parallel compiles (default: one per core)")
     args = p.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers: expected >= 1, got {args.workers}")
-    rows = run_report(report_jobs(args.variants), args.workers)
+    rows = run_report(report_jobs(args.variants, _parse_overrides(p, args.set)), args.workers)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     else:

@@ -237,6 +237,8 @@ def decode_attention_fwd(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
+    if not (out.is_contiguous() and lse.is_contiguous()):
+        raise ValueError(f"out, lse: expected contiguous tensors, got strides {out.stride()} and {lse.stride()}")
     rows = kernel_constexprs(config, head_dim, group, layout.dtype, layout.page_size)  # row blocks: BLOCK_G, NUM_GC
     workspace = workspace or alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
     if counters is None:
@@ -256,7 +258,7 @@ def launch_args(
     """Every argument of ``decode_attention_fwd_kernel`` by name (shapes as in ``decode_attention_fwd``)."""
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = q.shape[1] // layout.num_kv_heads
-    strides = (q.stride(0), q.stride(1), *layout.k_strides, *layout.v_strides, out.stride(0), out.stride(1))
+    strides = (q.stride(0), q.stride(1), *layout.k_strides, *layout.v_strides)
     # The strides are not specialized (a new value must not recompile), so the kernel is told that
     # they keep rows 16-byte aligned when they do: that is what allows 16-byte vector loads.
     vec = 16 // q.element_size()
@@ -274,7 +276,6 @@ def launch_args(
         "stride_kb": layout.k_strides[0], "stride_kn": layout.k_strides[1], "stride_kh": layout.k_strides[2],
         "stride_vb": layout.v_strides[0], "stride_vn": layout.v_strides[1], "stride_vh": layout.v_strides[2],
         "stride_bt": block_table.stride(0) if layout.paged else 0,
-        "stride_ob": out.stride(0), "stride_oh": out.stride(1), "stride_lb": lse.stride(0),
         "STRIDE_ALIGN": vec if all(x % vec == 0 for x in strides) else 1,
         **constexprs,
     }  # fmt: skip

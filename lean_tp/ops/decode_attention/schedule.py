@@ -21,14 +21,19 @@ def _cdiv(a, b):
 
 
 @triton.jit
-def _total_tiles(seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Total LeanTiles of the batch: HU * sum_b cdiv(len_b, TILE_N)."""
-    total = 0
-    for b0 in range(0, B, BLOCK_B):
+def _scan_batch(seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]) and the batch's total.
+
+    The first block's counts are loaded once and kept in registers: ``_locate`` reuses them, so a
+    decode batch (B <= BLOCK_B) reads the lengths once before its first K/V request.
+    """
+    o_b = tl.arange(0, BLOCK_B)
+    b_cum = tl.cumsum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU, axis=0)
+    total = tl.max(b_cum, axis=0)
+    for b0 in range(BLOCK_B, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
-        b_len = tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0)
-        total += tl.sum(_cdiv(b_len, TILE_N), axis=0)
-    return total * HU
+        total += tl.sum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N), axis=0) * HU
+    return b_cum, total
 
 
 @triton.jit
@@ -55,26 +60,46 @@ def _program_of_tile(t, total, n_active):
 
 
 @triton.jit
-def _locate(t, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Place tile t: returns (sequence b, tile offset inside b's range, tiles per head unit of b).
+def _locate(t, b_cum, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Place tile t < total: (sequence b, head unit, tile inside the head unit's range, b's length).
 
     b is the number of sequences whose inclusive cumulative tile count is <= t, which skips
-    zero-length sequences; the exclusive cumulative count of b is the largest such count.
+    zero-length sequences; the exclusive cumulative count of b is the largest such count. b_cum is
+    ``_scan_batch``'s first block; only sequences past it are loaded again.
     """
-    b = 0
-    b_start = 0
-    running = 0
-    for b0 in range(0, B, BLOCK_B):
+    o_b = tl.arange(0, BLOCK_B)
+    m_before = (b_cum <= t) & (o_b < B)
+    b = tl.sum(m_before.to(tl.int32), axis=0)
+    b_start = tl.max(tl.where(m_before, b_cum, 0), axis=0)
+    running = tl.max(b_cum, axis=0)
+    for b0 in range(BLOCK_B, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
-        b_len = tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0)
-        b_cnt = _cdiv(b_len, TILE_N) * HU
-        b_cum = running + tl.cumsum(b_cnt, axis=0)
-        m_before = (b_cum <= t) & (o_b < B)
+        b_cum_next = running + tl.cumsum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU, axis=0)
+        m_before = (b_cum_next <= t) & (o_b < B)
         b += tl.sum(m_before.to(tl.int32), axis=0)
-        b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum, 0), axis=0))
-        running += tl.sum(b_cnt, axis=0)
-    seq_len = tl.load(seqlens_ptr + b)
-    return b, t - b_start, _cdiv(seq_len, TILE_N)
+        b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum_next, 0), axis=0))
+        running = tl.max(b_cum_next, axis=0)
+    seq_len = tl.load(seqlens_ptr + b, mask=b < B, other=0)
+    n_tiles = tl.maximum(_cdiv(seq_len, TILE_N), 1)  # t >= total (an idle program) finds no sequence
+    return b, (t - b_start) // n_tiles, (t - b_start) % n_tiles, seq_len
+
+
+@triton.jit
+def _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, valid):
+    """The head unit after (b, hu) that owns tiles: (b, hu + 1), else the next non-empty sequence.
+
+    Returns (b, hu, length of b). Only loads lengths when the walk leaves sequence b, and only
+    while ``valid`` (the caller's range goes on, so a non-empty sequence lies ahead).
+    """
+    new_b = hu + 1 == HU
+    hu = tl.where(new_b, 0, hu + 1)
+    b = b + new_b.to(tl.int32)
+    n_len = tl.load(seqlens_ptr + b, mask=valid & new_b & (b < B), other=0)
+    n_len = tl.where(new_b, n_len, seq_len)
+    while valid & (n_len == 0):
+        b += 1
+        n_len = tl.load(seqlens_ptr + b, mask=b < B, other=1)
+    return b, hu, n_len
 
 
 @triton.jit
@@ -92,15 +117,15 @@ def lean_schedule_kernel(
 ):
     """Write out every program's segments exactly as the attention kernel walks them."""
     pid = tl.program_id(0)
-    total = _total_tiles(seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+    b_cum, total = _scan_batch(seqlens_ptr, B, HU, TILE_N, BLOCK_B)
     n_active = _num_active(total, num_programs, MIN_TILES)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
+    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, TILE_N, BLOCK_B)
     t = t0
     n = 0
     while t < t1:
-        b, local, n_tiles = _locate(t, seqlens_ptr, B, HU, TILE_N, BLOCK_B)
-        tile = local % n_tiles
+        n_tiles = _cdiv(seq_len, TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
         n_contrib = (
@@ -111,10 +136,12 @@ def lean_schedule_kernel(
         p_seg = seg_ptr + (pid * MAX_SEGS + n) * 5
         m_room = n < MAX_SEGS
         tl.store(p_seg + 0, b, mask=m_room)
-        tl.store(p_seg + 1, local // n_tiles, mask=m_room)
+        tl.store(p_seg + 1, hu, mask=m_room)
         tl.store(p_seg + 2, tile, mask=m_room)
         tl.store(p_seg + 3, seg_end - t, mask=m_room)
         tl.store(p_seg + 4, n_contrib, mask=m_room)
         n += 1
         t = seg_end
+        b, hu, seq_len = _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1)
+        tile = 0
     tl.store(nseg_ptr + pid, tl.where(pid < n_active, n, -1))

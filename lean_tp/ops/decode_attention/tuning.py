@@ -55,28 +55,34 @@ _PAPER_D64 = "LeanAttention paper: 256-token LeanTiles best for D=64 (fp16, A100
 _PAPER_D128 = "LeanAttention paper: 128-token LeanTiles best for D=128 (fp16, A100)"
 _D256 = "D=256 doubles bytes per token over D=128; halving the tile keeps bytes per tile equal"
 _STAGES = "; 3 stages: H100 has 228 KB smem/SM"
-# The cap on programs per SM is what the launched kernel fits (docs/kernel_report.md, contiguous
-# layout); the occupancy of the launched kernel (launcher.grid_size) lowers it where less fits.
+# Block sizes and caps below come from docs/kernel_report.md (compiled as launched, triton 3.7.1)
+# and its BLOCK_N = 128 trial (`python -m lean_tp.ops.kernel_report --set block_n=128`).
+_BN128 = ("; 128-key blocks: 3.8 SASS per key instead of 4.6 (paged16: 3.4 instead of 5.9) and 1.5x the K/V "
+          "bytes in flight per SM (3 programs x 32 KB blocks against 4 x 16 KB)")
+_BN64 = "; 64-key blocks: 128 would need 137 KB smem (1 program/SM on H100, 249 registers on A100)"
+# The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
+# the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 64, 64, 4, 2, 4, _PAPER_D64 + _FITS),
-    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 2, _PAPER_D128),
-    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256),
-    ("sm90", 64, 2): DecodeConfig(256, 64, 64, 4, 3, 4, _PAPER_D64 + _STAGES + _FITS),
-    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _FITS),
-    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256),
+    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 2, 3, _PAPER_D64 + _BN128 + _FITS),
+    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 3, _PAPER_D128 + _BN64 + _FITS),
+    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256 + _FITS),
+    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS),
+    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS),
+    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
-    ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=64 entry"),
-    ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=128 entry"),
-    ("sm80", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 2, "fp32: same bytes per tile as the fp16 D=256 entry"),
-    ("sm90", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=64 entry"),
-    ("sm90", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 2, "fp32: same bytes per tile as the fp16 D=128 entry"),
-    ("sm90", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 2, "fp32: same bytes per tile as the fp16 D=256 entry"),
-    # Interpreter: tile sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths mean the same thing.
-    ("interp", 64, 2): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
-    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
+    ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
+    ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 3, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
+    ("sm80", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 3, "fp32: same bytes per tile as the fp16 D=256 entry" + _FITS),
+    ("sm90", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
+    ("sm90", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 5, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
+    ("sm90", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 4, "fp32: same bytes per tile as the fp16 D=256 entry" + _FITS),
+    # Interpreter: tile and block sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths and
+    # block boundaries mean the same thing.
+    ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the GPU D=64 entry, untimed"),
+    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the GPU D=128 entry, untimed"),
     ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
     ("interp", 64, 4): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
     ("interp", 128, 4): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
