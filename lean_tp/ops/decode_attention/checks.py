@@ -8,6 +8,7 @@ cache's capacity, page indices within the pool) run only when ``LEAN_TP_DEBUG=1`
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -18,6 +19,12 @@ from lean_tp.ops.utils import interpreted
 
 BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
+# each K/V tile, so a bound keeps the row block within what one program holds.
+MAX_QUERY_TOKENS = 16
+# Call features the Triton kernel implements beyond plain decode; the others run on the torch backend.
+KERNEL_FEATURES: frozenset[str] = frozenset()
 
 
 def _require_tensor(name: str, x: object) -> None:
@@ -42,7 +49,7 @@ def _check_int32(name: str, x: torch.Tensor, device: torch.device) -> None:
 def check_types(**tensors: object) -> None:
     """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
     for name, x in tensors.items():
-        if x is not None or name not in ("block_table", "cache_leftpad"):
+        if x is not None or name not in ("block_table", "cache_leftpad", "sinks"):
             _require_tensor(name, x)
 
 
@@ -54,19 +61,28 @@ def check_inputs(
     block_table: torch.Tensor | None,
     backend: str,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call."""
+    """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call (fp8 scales
+    as the op sees them: (Hkv,) or (1,) float32 tensors)."""
     if not (isinstance(backend, str) and backend in BACKENDS):
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    _check_tensor("q", q, 3, "(B, Hq, D)")
+    _require_tensor("q", q)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q: expected 3 dims (B, Hq, D) or 4 dims (B, Tq, Hq, D), got shape {tuple(q.shape)}")
     if q.dtype not in DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
-    batch, num_q_heads, head_dim = q.shape
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    if q.dim() == 4 and not 1 <= q.shape[1] <= MAX_QUERY_TOKENS:
+        raise ValueError(f"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} query tokens (dim 1), got shape {tuple(q.shape)}")
     paged = block_table is not None
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, cache, 4, SHAPES[paged])
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {cache.dtype}")
+        _check_cache_dtype(name, cache.dtype, q.dtype)
         if cache.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {cache.device}")
         if cache.stride(-1) != 1:
@@ -92,8 +108,72 @@ def check_inputs(
         _check_int32("cache_leftpad", cache_leftpad, q.device)
         if cache_leftpad.shape[0] != batch:
             raise ValueError(f"cache_leftpad: expected shape ({batch},), got {tuple(cache_leftpad.shape)}")
+    _check_features(k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks)
     if os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
         _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad)
+
+
+def _check_cache_dtype(name: str, dtype: torch.dtype, q_dtype: torch.dtype) -> None:
+    if dtype in FP8_DTYPES:
+        if q_dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"q: expected float16 or bfloat16 with an fp8 {name}, got {q_dtype}")
+    elif dtype != q_dtype:
+        raise TypeError(f"{name}: expected dtype {q_dtype} (q's dtype) or an fp8 dtype {FP8_DTYPES}, got {dtype}")
+
+
+def _check_features(
+    cache_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, device: torch.device, k_scale: object,
+    v_scale: object, softcap: object, window: object, sinks: object,
+) -> None:  # fmt: skip
+    """fp8 scales (required with fp8 caches, refused otherwise), softcap, window and sinks."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if cache_dtype not in FP8_DTYPES:
+            if scale is not None:
+                raise ValueError(f"{name}: expected None for a {cache_dtype} cache (scales are for fp8 caches), got a scale")
+            continue
+        if scale is None:
+            raise ValueError(f"{name}: expected a float or a ({num_kv_heads},) float32 tensor with an fp8 cache, got None")
+        _check_vector(name, scale, num_kv_heads, "Hkv", device, per_tensor=True)
+    check_scalars(softcap, window)
+    if sinks is not None:
+        _check_vector("sinks", sinks, num_q_heads, "Hq", device)
+
+
+def check_scalars(softcap: object, window: object) -> None:
+    """softcap and window, also checked before the dispatcher, which would reject a float window
+    with a RuntimeError."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap: expected a float > 0 or None, got {softcap!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
+
+
+def _check_vector(name: str, x: object, n: int, what: str, device: torch.device, per_tensor: bool = False) -> None:
+    """A float32 (n,) tensor on ``device``; (1,) too when ``per_tensor`` (one value for all)."""
+    _require_tensor(name, x)
+    assert isinstance(x, torch.Tensor)
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype torch.float32, got {x.dtype}")
+    if tuple(x.shape) != (n,) and not (per_tensor and tuple(x.shape) == (1,)):
+        raise ValueError(f"{name}: expected shape ({n},) ({what}){' or (1,)' if per_tensor else ''}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {x.device}")
+
+
+def scale_tensor(name: str, scale: object, device: torch.device) -> torch.Tensor | None:
+    """An fp8 scale as the op takes it: a float becomes a (1,) float32 tensor (a fill, no sync)."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"{name}: expected a finite float > 0 or a float32 tensor of shape (Hkv,) or (1,), got {scale!r}")
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+
+
+def call_features(q: torch.Tensor, k_cache: torch.Tensor, softcap, window, sinks) -> list[str]:
+    """The features a call uses beyond one-token 16/32-bit decode, by argument name."""
+    used = [("q", q.dim() == 4 and q.shape[1] > 1), ("k_cache", k_cache.dtype in FP8_DTYPES),
+            ("softcap", softcap is not None), ("window", window is not None), ("sinks", sinks is not None)]  # fmt: skip
+    return [name for name, on in used if on]
 
 
 def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -129,8 +209,9 @@ def _check_values(
             raise ValueError(f"block_table: expected page indices in [0, {num_rows}) for used pages, got {bad[:4].tolist()}")
 
 
-def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype, features: Sequence[str] = ()) -> str | None:
     """Why the Triton kernel cannot take a call on ``device`` with this head_dim and dtype, or None.
+    ``features``: ``call_features`` of the call (multi-token q, fp8 cache, softcap, window, sinks).
 
     The one home of that rule: the op's dispatch, the transformers integration, the simulator and
     the tensor-parallel grid report all ask here.
@@ -140,6 +221,12 @@ def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> s
             f"backend: 'triton' on {device.type} tensors runs through the Triton interpreter; "
             "expected TRITON_INTERPRET=1 set before lean_tp is imported, got it unset"
         )
+    missing = [name for name in features if name not in KERNEL_FEATURES]
+    if missing:
+        return (
+            f"{missing[0]}: the Triton kernel does not take {', '.join(missing)} yet; expected backend='torch' "
+            f"for such calls, got the Triton backend on {device.type}"
+        )
     try:
         get_config(device, head_dim, dtype)
     except ValueError as exc:
@@ -147,12 +234,12 @@ def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> s
     return None
 
 
-def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str) -> bool:
+def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str, features: Sequence[str] = ()) -> bool:
     """Which implementation a call runs; raises ``ValueError`` when "triton" is asked for (or "auto"
     on CUDA) and the kernel cannot take the call."""
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return False
-    reason = kernel_support(device, head_dim, dtype)
+    reason = kernel_support(device, head_dim, dtype, features)
     if reason is not None:
         raise ValueError(reason)
     return True

@@ -29,22 +29,45 @@ def decode_attention_ref(
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, Hq, D) and lse (B, Hq), both float64; shapes as in ``lean_tp.decode_attention``."""
-    batch, num_q_heads, head_dim = q.shape
+    """out (q's shape) and lse (q's shape without D), both float64; arguments as in
+    ``lean_tp.decode_attention``. Written one query at a time, straight from the definitions."""
+    q4 = q if q.dim() == 4 else q[:, None]
+    batch, num_tokens, num_q_heads, head_dim = q4.shape
     layout = CacheLayout.of(k_cache, v_cache, block_table)
+    group = num_q_heads // layout.num_kv_heads
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
-    lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(batch, num_tokens, num_q_heads, head_dim, dtype=torch.float64)
+    lse = torch.full((batch, num_tokens, num_q_heads), float("-inf"), dtype=torch.float64)
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     for b, (start, end) in enumerate(zip(starts, cache_seqlens.tolist())):
-        if end == start:
-            continue
-        k = gather_kv(layout, k_cache, b, start, end, block_table).double().cpu()
-        v = gather_kv(layout, v_cache, b, start, end, block_table).double().cpu()
-        group = num_q_heads // k.shape[0]
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        s = torch.einsum("hd,hnd->hn", q[b].double().cpu(), k) * scale
-        lse[b] = torch.logsumexp(s, -1)
-        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v)
-    return out, lse
+        k = _dequantize(gather_kv(layout, k_cache, b, 0, end, block_table), k_scale).repeat_interleave(group, 0)
+        v = _dequantize(gather_kv(layout, v_cache, b, 0, end, block_table), v_scale).repeat_interleave(group, 0)
+        for t in range(num_tokens):
+            pos = end - num_tokens + t  # this query's cache position; it sees keys [lo, pos]
+            lo = max(start, pos - window + 1) if window is not None else start
+            seen = slice(lo, max(lo, pos + 1))
+            s = torch.einsum("hd,hnd->hn", q4[b, t].double().cpu(), k[:, seen]) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            if sinks is not None:  # one more logit per head, with no value
+                s = torch.cat([s, sinks.double().cpu()[:, None]], 1)
+            if s.shape[1] == 0:
+                continue
+            lse[b, t] = torch.logsumexp(s, -1)
+            out[b, t] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1)[:, : seen.stop - lo], v[:, seen])
+    return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
+
+
+def _dequantize(x: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+    """(Hkv, n, D) float64 on CPU: an fp8 cache's values times its per-tensor or per-head scale
+    (a float, or a (Hkv,) or (1,) tensor)."""
+    x = x.double().cpu()
+    if isinstance(scale, torch.Tensor):
+        return x * scale.double().cpu()[:, None, None]
+    return x * scale if scale is not None else x

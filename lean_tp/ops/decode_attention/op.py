@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from lean_tp.ops.decode_attention.checks import check_inputs, check_types, uses_triton
+from lean_tp.ops.decode_attention.checks import (
+    call_features,
+    check_inputs,
+    check_scalars,
+    check_types,
+    scale_tensor,
+    uses_triton,
+)
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
@@ -31,24 +38,35 @@ def decode_attention_op(
     cache_leftpad: torch.Tensor | None,
     softmax_scale: float,
     backend: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Registered op; see ``decode_attention`` for the arguments. Returns (out, lse)."""
-    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad)
-    if uses_triton(q.device, q.shape[-1], q.dtype, backend):
+    """Registered op; see ``decode_attention`` for the arguments (fp8 scales as float32 tensors).
+    Returns (out, lse)."""
+    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
+                 k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+    features = call_features(q, k_cache, softcap, window, sinks)
+    if uses_triton(q.device, q.shape[-1], q.dtype, backend, features):
         if block_table is not None and block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
-        return decode_attention_fwd(
-            q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
+        out, lse = decode_attention_fwd(
+            q[:, 0] if q.dim() == 4 else q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
             cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None, launch=_launch,
         )  # fmt: skip
-    return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad)
+        return (out[:, None], lse[:, None]) if q.dim() == 4 else (out, lse)  # a (B, 1, Hq, D) q
+    return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad,
+                                  k_scale, v_scale, softcap, window, sinks)  # fmt: skip
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, softmax_scale, backend):
-    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad)
-    batch, num_q_heads, _ = q.shape
-    lse = q.new_empty(batch, num_q_heads, dtype=torch.float32)
+def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, softmax_scale, backend,
+      k_scale=None, v_scale=None, softcap=None, window=None, sinks=None):  # fmt: skip
+    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
+                 k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 
@@ -63,32 +81,56 @@ def decode_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of one query token per sequence against its KV cache (LeanAttention).
+    """Exact attention of the newest query tokens of each sequence against its KV cache (LeanAttention).
 
     Args:
-        q: (B, Hq, D), fp16, bf16 or fp32.
+        q: (B, Hq, D), or (B, Tq, Hq, D) for 1 <= Tq <= 16 new tokens per sequence; fp16, bf16 or fp32.
         k_cache, v_cache: contiguous (B, Hkv, S_max, D), any strides with ``stride(-1) == 1``;
             or paged (num_pages, page_size, Hkv, D) together with ``block_table``.
-            Same dtype and device as q; Hq must be a multiple of Hkv.
-        cache_seqlens: (B,) int32 on q's device, ``0 <= cache_seqlens[b] <= capacity``.
+            q's dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) with an fp16/bf16 q and scales.
+            Same device as q; Hq must be a multiple of Hkv.
+        cache_seqlens: (B,) int32 on q's device, ``0 <= cache_seqlens[b] <= capacity``, counting
+            the new tokens: query t sits at position ``cache_seqlens[b] - Tq + t`` and sees the
+            keys up to and including it.
         block_table: (B, max_pages_per_seq) int32, page indices of each sequence, for paged caches.
         cache_leftpad: (B,) int32, for left-padded batches: sequence b's keys are cache positions
             ``[cache_leftpad[b], cache_seqlens[b])`` instead of ``[0, cache_seqlens[b])``.
         softmax_scale: multiplier of q.k; default ``1 / sqrt(D)``.
-        return_lse: also return lse (B, Hq) float32, natural log (``-inf`` for empty sequences).
-        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+        return_lse: also return lse (see Returns).
+        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``. The
+            Triton kernel does not yet take Tq > 1, fp8, softcap, window or sinks: such calls need
+            ``"torch"`` on CUDA.
+        k_scale, v_scale: fp8 caches only (required there): the value used is
+            ``cache.float() * scale``; a float, or a float32 tensor on q's device of shape (Hkv,)
+            (per KV head) or (1,) (per tensor, as vLLM keeps it).
+        softcap: logit cap > 0: scores are ``softcap * tanh(softmax_scale * q.k / softcap)``.
+        window: the last ``window`` keys up to each query's position, itself included.
+        sinks: (Hq,) float32 on q's device: one extra logit per query head in the softmax
+            denominator (not scaled or capped), with no value.
 
     Returns:
-        out (B, Hq, D) in q's dtype, or (out, lse) when ``return_lse``.
+        out in q's shape and dtype, or (out, lse) when ``return_lse``; lse is float32, q's shape
+        without D, the natural log of the softmax denominator (``-inf`` when a query sees no key
+        and there are no sinks).
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
-                cache_leftpad=cache_leftpad)
+                cache_leftpad=cache_leftpad, sinks=sinks)
+    check_scalars(softcap, window)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
+    if isinstance(softcap, int) and not isinstance(softcap, bool):
+        softcap = float(softcap)
     out, lse = torch.ops.lean_tp.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, float(softmax_scale), backend
-    )
+        q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, float(softmax_scale), backend,
+        k_scale, v_scale, softcap, window, sinks,
+    )  # fmt: skip
     return (out, lse) if return_lse else out

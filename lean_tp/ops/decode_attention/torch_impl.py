@@ -56,29 +56,65 @@ def decode_attention_torch(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention in plain torch; arguments and results as ``decode_attention_fwd``."""
-    batch, num_q_heads, head_dim = q.shape
+    """Decode attention in plain torch; arguments as ``lean_tp.decode_attention`` (q (B, Hq, D) or
+    (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors. Returns (out, lse).
+
+    The Tq tokens and the group's query heads of one KV head are one block of rows (token-major),
+    as in the kernel, so each K/V chunk is read once for all of them.
+    """
+    q4 = q if q.dim() == 4 else q[:, None]
+    batch, num_tokens, num_q_heads, head_dim = q4.shape
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     num_kv_heads = layout.num_kv_heads
     group = num_q_heads // num_kv_heads
-    q_g = q.view(batch, num_kv_heads, group, head_dim).float() * softmax_scale
-    lens = cache_seqlens.view(batch, 1, 1, 1)
-    starts = cache_leftpad.view(batch, 1, 1, 1) if cache_leftpad is not None else None
-    m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
+    rows = num_tokens * group
+    q_g = q4.view(batch, num_tokens, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
+        batch, num_kv_heads, rows, head_dim).float() * softmax_scale  # fmt: skip
+    lo, hi = _row_bounds(cache_seqlens, cache_leftpad, num_tokens, group, window)
+    m = torch.full((batch, num_kv_heads, rows), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
     for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table):
+        k, v = _dequantize(k, k_scale), _dequantize(v, v_scale)
         # K as the left operand keeps its (n, D) memory order: a (D, n) copy for the right operand
         # is what torch 2.11's CPU Inductor miscompiles when fused with the page gather.
-        s = torch.matmul(k.float(), q_g.transpose(-1, -2)).transpose(-1, -2)
+        s = torch.matmul(k, q_g.transpose(-1, -2)).transpose(-1, -2)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(n0, n0 + s.shape[-1], device=q.device)
-        valid = pos < lens if starts is None else (pos < lens) & (pos >= starts)
-        s = s.masked_fill(~valid, float("-inf"))
+        s = s.masked_fill(~((pos >= lo) & (pos < hi)), float("-inf"))
         m_c = s.amax(-1)
         p = torch.exp(s - torch.where(torch.isinf(m_c), torch.zeros_like(m_c), m_c)[..., None])
-        partial = merge_partials(partial, (m_c, p.sum(-1), torch.matmul(p, v.float())))
+        partial = merge_partials(partial, (m_c, p.sum(-1), torch.matmul(p, v)))
+    if sinks is not None:  # one more logit per query head, with no value
+        sink = sinks.float().view(1, num_kv_heads, 1, group).expand(batch, num_kv_heads, num_tokens, group)
+        sink = sink.reshape(batch, num_kv_heads, rows)
+        partial = merge_partials(partial, (sink, torch.ones_like(sink), torch.zeros_like(q_g)))
     m, l, acc = partial
     empty = l == 0
     out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l)))
-    return out.view(batch, num_q_heads, head_dim).to(q.dtype), lse.view(batch, num_q_heads)
+    out = out.view(batch, num_kv_heads, num_tokens, group, head_dim).transpose(1, 2).reshape(q4.shape).to(q.dtype)
+    lse = lse.view(batch, num_kv_heads, num_tokens, group).transpose(1, 2).reshape(q4.shape[:3])
+    return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
+
+
+def _row_bounds(cache_seqlens, cache_leftpad, num_tokens: int, group: int, window: int | None):
+    """Key positions [lo, hi) each row sees, as (B, 1, Tq * group, 1): row t * group + g is query
+    token t, at cache position len - Tq + t, which sees itself and the keys before it."""
+    t = torch.arange(num_tokens, device=cache_seqlens.device).repeat_interleave(group)
+    hi = cache_seqlens.view(-1, 1) - num_tokens + 1 + t
+    lo = cache_leftpad.view(-1, 1) if cache_leftpad is not None else torch.zeros_like(hi[:, :1])
+    if window is not None:
+        lo = torch.maximum(lo, hi - window)
+    return lo[:, None, :, None], hi[:, None, :, None]
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """(B, Hkv, n, D) float32: the chunk, times its per-KV-head (or per-tensor) scale for fp8 caches."""
+    return x.float() * scale.view(1, -1, 1, 1) if scale is not None else x.float()
