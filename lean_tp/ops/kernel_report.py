@@ -70,21 +70,19 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def _dump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump FLAG`` of a cubin held in memory."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_cuobjdump(), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
 def _resources(cubin: bytes) -> tuple[int, int, int]:
     """(registers, stack bytes, static shared bytes) of the cubin's one kernel."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    text = _dump(cubin, "--dump-resource-usage")
     regs, stack, shared = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text).groups()
     return int(regs), int(stack), int(shared)
-
-
-def _kv_loop(cubin: bytes) -> tuple[int, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return kv_loop_of_sass(subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout)
 
 
 def kv_loop_of_sass(text: str) -> tuple[int, int]:
@@ -134,7 +132,7 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
         arch, head_dim, dtype, layout, group, leftpad, config.block_n, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
-        *_kv_loop(kernel.asm["cubin"]),
+        *kv_loop_of_sass(_dump(kernel.asm["cubin"], "-sass")),
     )  # fmt: skip
 
 

@@ -139,10 +139,15 @@ def _check_features(
         _check_vector("sinks", sinks, num_q_heads, "Hq", device)
 
 
+def is_number(x: object) -> bool:
+    """An int or float argument; bool is an int to Python but never a meaningful scale."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def check_scalars(softcap: object, window: object) -> None:
     """softcap and window, also checked before the dispatcher, which would reject a float window
     with a RuntimeError."""
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+    if softcap is not None and not (is_number(softcap) and softcap > 0):
         raise ValueError(f"softcap: expected a float > 0 or None, got {softcap!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
@@ -164,7 +169,7 @@ def scale_tensor(name: str, scale: object, device: torch.device) -> torch.Tensor
     """An fp8 scale as the op takes it: a float becomes a (1,) float32 tensor (a fill, no sync)."""
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+    if not (is_number(scale) and 0 < scale < float("inf")):
         raise ValueError(f"{name}: expected a finite float > 0 or a float32 tensor of shape (Hkv,) or (1,), got {scale!r}")
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 

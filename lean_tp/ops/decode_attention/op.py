@@ -15,6 +15,7 @@ from lean_tp.ops.decode_attention.checks import (
     check_inputs,
     check_scalars,
     check_types,
+    is_number,
     scale_tensor,
     uses_triton,
 )
@@ -124,7 +125,7 @@ def decode_attention(
     check_scalars(softcap, window)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if not is_number(softmax_scale):
         raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     if isinstance(softcap, int) and not isinstance(softcap, bool):

@@ -21,18 +21,23 @@ def _cdiv(a, b):
 
 
 @triton.jit
+def _tile_counts(seqlens_ptr, b0, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B]; 0 past the batch): HU * cdiv(len, TILE_N)."""
+    o_b = b0 + tl.arange(0, BLOCK_B)
+    return _cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU
+
+
+@triton.jit
 def _scan_batch(seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]) and the batch's total.
 
     The first block's counts are loaded once and kept in registers: ``_locate`` reuses them, so a
     decode batch (B <= BLOCK_B) reads the lengths once before its first K/V request.
     """
-    o_b = tl.arange(0, BLOCK_B)
-    b_cum = tl.cumsum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU, axis=0)
+    b_cum = tl.cumsum(_tile_counts(seqlens_ptr, 0, B, HU, TILE_N, BLOCK_B), axis=0)
     total = tl.max(b_cum, axis=0)
     for b0 in range(BLOCK_B, B, BLOCK_B):
-        o_b = b0 + tl.arange(0, BLOCK_B)
-        total += tl.sum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N), axis=0) * HU
+        total += tl.sum(_tile_counts(seqlens_ptr, b0, B, HU, TILE_N, BLOCK_B), axis=0)
     return b_cum, total
 
 
@@ -74,7 +79,7 @@ def _locate(t, b_cum, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.cons
     running = tl.max(b_cum, axis=0)
     for b0 in range(BLOCK_B, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
-        b_cum_next = running + tl.cumsum(_cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU, axis=0)
+        b_cum_next = running + tl.cumsum(_tile_counts(seqlens_ptr, b0, B, HU, TILE_N, BLOCK_B), axis=0)
         m_before = (b_cum_next <= t) & (o_b < B)
         b += tl.sum(m_before.to(tl.int32), axis=0)
         b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum_next, 0), axis=0))
