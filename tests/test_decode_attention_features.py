@@ -1,9 +1,7 @@
 """Serving features (multi-token queries, fp8 KV caches, softcap, sliding window, sinks) on the
 torch backend, against the float64 reference in ``naive.py``; their input checks; opcheck and
-``torch.compile(fullgraph=True)`` with every feature on.
-
-The Triton kernel does not take these calls yet: ``kernel_support`` says so (tested here), and
-``backend="triton"`` raises instead of running something else.
+``torch.compile(fullgraph=True)`` with every feature on. The Triton kernel's side is
+tests/test_decode_attention_kernel_features.py.
 """
 
 import math
@@ -14,7 +12,7 @@ from helpers import make_inputs
 
 import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, kernel_support
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -117,17 +115,6 @@ def test_reference_definitions_on_a_hand_sized_case():
     denom = math.exp(0.7) + s.exp().sum()
     torch.testing.assert_close(out[0, 0], (s.exp()[:, None] * v[0, 0, 4:]).sum(0) / denom)
     torch.testing.assert_close(lse[0, 0], torch.log(denom))
-
-
-def test_kernel_support_names_the_missing_features():
-    reason = kernel_support(torch.device("cpu"), 64, torch.float16, ["q", "softcap"])
-    if reason is not None and "Triton interpreter" in reason:
-        pytest.skip("no interpreter in this process")
-    assert reason.startswith("q: the Triton kernel does not take q, softcap yet; expected backend='torch'")
-    assert kernel_support(torch.device("cpu"), 64, torch.float16, []) is None
-    inputs = make_feature_inputs([5], 4, 1, 64, torch.float16, window=3)
-    with pytest.raises(ValueError, match="window: the Triton kernel does not take window yet"):
-        lean_tp.decode_attention(**inputs, backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

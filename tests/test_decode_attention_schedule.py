@@ -25,11 +25,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     head_units=st.integers(1, 6),
     tile_n=st.sampled_from([16, 64, 128]),
     num_programs=st.integers(1, 40),
+    max_span=st.one_of(st.none(), st.integers(1, 300)),
 )
-def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, tile_n, num_programs):
+def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, tile_n, num_programs, max_span):
+    """With a sliding window (max_span = window + Tq - 1) only the span's tiles exist: a sequence
+    costs min(len, max_span) keys, whatever its length."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    programs = lean_schedule(seqlens, head_units, tile_n, num_programs, max_segments=128)
-    tiles_per_seq = [math.ceil(n / tile_n) for n in lens]
+    span = {} if max_span is None else {"max_span": max_span}
+    programs = lean_schedule(seqlens, head_units, tile_n, num_programs, max_segments=128, **span)
+    tiles_per_seq = [math.ceil(min(n, max_span or n) / tile_n) for n in lens]
     total = head_units * sum(tiles_per_seq)
     expected_active = max(1, min(num_programs, total // MIN_TILES_PER_PROGRAM))
     assert len(programs) == expected_active

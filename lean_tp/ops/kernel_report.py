@@ -42,6 +42,20 @@ import torch
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
+# Serving-feature variants (``launcher.KernelFeatures`` fields), by name; "" is one-token decode.
+FEATURES = {
+    "": {},
+    "fp8_e4m3": {"fp8": torch.float8_e4m3fn},
+    "fp8_e5m2": {"fp8": torch.float8_e5m2},
+    "tq4": {"num_tokens": 4},
+    "softcap": {"softcap": True},
+    "window": {"window": True},
+    "sinks": {"sinks": True},
+    "tq4_window": {"num_tokens": 4, "window": True},
+    "all": {"num_tokens": 4, "fp8": torch.float8_e4m3fn, "softcap": True, "window": True, "sinks": True},
+}
+# Head dims that are not a power of two (Phi-3's 96, and others models use), padded by the kernel.
+PADDED_HEAD_DIMS = (40, 80, 96, 112, 160, 192)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +66,7 @@ class KernelStats:
     layout: str
     group: int
     leftpad: bool
+    features: str
     block_n: int
     regs: int
     spill_bytes: int
@@ -110,26 +125,34 @@ def _kv_load_bytes(ptx: str) -> int:
 
 
 def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int = REPORT_GROUP,
-                  leftpad: bool = False, overrides: tuple[tuple[str, int], ...] = ()) -> KernelStats:  # fmt: skip
+                  leftpad: bool = False, overrides: tuple[tuple[str, int], ...] = (), features: str = "") -> KernelStats:  # fmt: skip
     """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics.
 
-    ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings.
+    ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings;
+    ``features``: a key of ``FEATURES`` (``dtype`` stays q's dtype; fp8 variants change the cache's).
     """
     from triton.backends.compiler import GPUTarget
 
-    from lean_tp.ops.decode_attention.launcher import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
+    from lean_tp.ops.decode_attention.launcher import (
+        SM_LIMITS,
+        KernelFeatures,
+        compile_as_launched,
+        example_args,
+        programs_per_sm,
+    )
     from lean_tp.ops.decode_attention.tuning import config_for
 
     torch_dtype = DTYPES[dtype]
     config = dataclasses.replace(config_for(arch, head_dim, torch_dtype), **dict(overrides))
-    args = example_args(torch_dtype, head_dim, group, LAYOUTS[layout], leftpad, config)
+    variant = KernelFeatures(**FEATURES[features])
+    args = example_args(torch_dtype, head_dim, group, LAYOUTS[layout], leftpad, config, features=variant, arch=arch)
     kernel = compile_as_launched(args, config, GPUTarget("cuda", int(arch[2:]), 32))
     regs, stack, static_shared = _resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + static_shared
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
-    tile_bytes = config.block_n * head_dim * torch_dtype.itemsize
+    tile_bytes = config.block_n * args["BLOCK_D"] * (variant.fp8 or torch_dtype).itemsize
     return KernelStats(
-        arch, head_dim, dtype, layout, group, leftpad, config.block_n, regs, stack, shared,
+        arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
         *kv_loop_of_sass(_dump(kernel.asm["cubin"], "-sass")),
@@ -147,11 +170,13 @@ def _valid(config, overrides: tuple[tuple[str, int], ...]) -> bool:
 
 
 def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] = ()) -> list[tuple]:
-    """(arch, head_dim, dtype, layout, group, leftpad, overrides) of every kernel to report.
+    """(arch, head_dim, dtype, layout, group, leftpad, overrides, features) of every kernel to report.
 
-    The report proper: each GPU tuning-table entry x layout, group 4. ``variants`` adds what else
-    the table can select: bf16, groups 1 and 64 (every row block), a group of 24 where it splits
-    into row chunks, and left padding, so a CPU test proves they all compile.
+    The report proper: each GPU tuning-table entry x layout, group 4, and each serving feature on
+    the paged16 16-bit entries. ``variants`` adds what else a call can select: bf16, groups 1 and
+    64 (every row block), a group of 24 where it splits into row chunks, left padding, both fp8
+    formats on every 16-bit entry and layout, and padded head dims, so a CPU test proves they all
+    compile.
     """
     from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 
@@ -160,14 +185,21 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
         if arch == "interp" or not _valid(config, overrides):
             continue
         dtype = "fp16" if size == 2 else "fp32"
-        jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False) for layout in LAYOUTS]
+        jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False, overrides, "") for layout in LAYOUTS]
+        if size == 2:
+            jobs += [(arch, head_dim, dtype, "paged16", REPORT_GROUP, False, overrides, f) for f in FEATURES if f]
         if variants:
             groups = (1, 64) + ((24,) if config.max_block_g < 24 else ())
-            jobs += [(arch, head_dim, dtype, "paged16", g, False) for g in groups]
-            jobs.append((arch, head_dim, dtype, "contiguous", REPORT_GROUP, True))
+            jobs += [(arch, head_dim, dtype, "paged16", g, False, overrides, "") for g in groups]
+            jobs.append((arch, head_dim, dtype, "contiguous", REPORT_GROUP, True, overrides, ""))
             if size == 2:
-                jobs.append((arch, head_dim, "bf16", "paged16", REPORT_GROUP, True))
-    return [job + (overrides,) for job in jobs]
+                jobs.append((arch, head_dim, "bf16", "paged16", REPORT_GROUP, True, overrides, "all"))
+                jobs += [(arch, head_dim, "bf16", layout, REPORT_GROUP, False, overrides, f)
+                         for layout in LAYOUTS for f in ("fp8_e4m3", "fp8_e5m2") if layout != "paged16"]  # fmt: skip
+    if variants:
+        jobs += [(arch, d, "fp16", "paged16", REPORT_GROUP, True, overrides, "") for arch in ("sm80", "sm90")
+                 for d in PADDED_HEAD_DIMS]  # fmt: skip
+    return jobs
 
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
@@ -186,6 +218,7 @@ def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = T
 
 
 def to_markdown(rows: list[KernelStats]) -> str:
+    """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
     import triton
 
     gpu = {"sm80": "A100", "sm90": "H100"}
@@ -197,12 +230,25 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "| BLOCK_N | SASS/iter |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if not r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} "
             f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} "
             f"| {r.block_n} | {r.sass_per_iter} |"
+        )
+    lines += [
+        "",
+        "Serving features, paged16 (`FEATURES` in `lean_tp/ops/kernel_report.py`; fp8 variants read an fp8 cache "
+        "with an fp16 q):",
+        "",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | SASS/iter |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in rows if r.features):
+        lines.append(
+            f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.sass_per_iter} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -234,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     else:
-        print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad]), end="")
+        print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad and r.dtype != "bf16"]), end="")
     return 0
 
 

@@ -23,8 +23,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
 # each K/V tile, so a bound keeps the row block within what one program holds.
 MAX_QUERY_TOKENS = 16
-# Call features the Triton kernel implements beyond plain decode; the others run on the torch backend.
-KERNEL_FEATURES: frozenset[str] = frozenset()
+# Call features (by argument name, see ``call_features``) the Triton kernel implements beyond
+# one-token decode; a feature missing here is refused on the Triton backend, never run slowly.
+KERNEL_FEATURES: frozenset[str] = frozenset({"q", "k_cache", "softcap", "window", "sinks"})
 
 
 def _require_tensor(name: str, x: object) -> None:

@@ -2,7 +2,12 @@
 
 Scores are kept in the log2 domain (``qk * scale * log2(e)``, ``exp2``) and converted to a natural
 log only for the returned LSE. Every value is upcast to fp32 right after loading except the ``tl.dot``
-operands, which stay in the cache dtype so tensor cores do the products (fp32 caches use "ieee").
+operands, which are in q's dtype so tensor cores do the products (fp32 uses "ieee"; an fp8 cache is
+converted to q's dtype after loading, and its scales are folded into the score and output scales).
+
+The rows of one head unit are the Tq query tokens x the GQA group of one KV head, token-major
+(row r is token r // GROUP, query head r % GROUP of the KV head), padded to BLOCK_G. Head dims
+that are not a power of two are padded to BLOCK_D with masked loads.
 """
 
 import triton
@@ -19,6 +24,7 @@ from lean_tp.ops.decode_attention.schedule import (
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -35,21 +41,47 @@ def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl
 
 
 @triton.jit
-def _attend(
-    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, scale_log2,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Un-normalized partial (acc [BLOCK_G, D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
+def _load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load [rows, BLOCK_D] at pointers p, zero for masked rows and for the padding past HEAD_DIM."""
+    if HEAD_DIM == BLOCK_D:  # no column mask: keeps the loads' vector width provable
+        x = tl.load(p, mask=m_rows[:, None], other=0.0)
+    else:
+        x = tl.load(p, mask=m_rows[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0)
+    return x
 
-    Key i of the sequence sits at cache position n_base + i (n_base: its left padding). The caller
-    guarantees n_lo < n_hi, so the first block has a valid key and m is finite.
+
+@triton.jit
+def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """K/V values in q's dtype. With E4M3_BITS, x holds float8_e4m3fn values as uint8 (Triton has
+    no e4m3 type before sm_89): the 7 low bits moved to an fp16's bits 7..13 give value * 2^-8
+    exactly, subnormals included; the launcher folds the 2^8 into the scales."""
+    if E4M3_BITS:
+        bits = x.to(tl.uint16)
+        x = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _attend(
+    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, b_lo, b_hi, qk_scale, cap_log2,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
+):  # fmt: skip
+    """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
+
+    Key i sits at cache position n_base + i. With ROW_MASK (several query tokens) row g sees only
+    keys [b_lo[g], b_hi[g]), so a row may see none of a block or of the whole range: its m stays
+    -inf and its l 0, and its exponentials are taken against 0 instead of -inf. Without it every
+    row sees every key, and the caller guarantees n_lo < n_hi, so m is finite after the first block.
+    With SOFTCAP, qk_scale is 2 log2(e) scale / softcap and the score is
+    ``cap_log2 * tanh(..)`` written with exp2: tanh(x) = 1 - 2 / (e^{2x} + 1).
     """
-    o_d = tl.arange(0, HEAD_DIM)
+    o_d = tl.arange(0, BLOCK_D)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
-    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     o_n = n_lo + tl.arange(0, BLOCK_N)
     o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, o_n < n_hi, stride_bt, PAGED, PAGE_SIZE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -62,45 +94,78 @@ def _attend(
                                            PAGED, PAGE_SIZE)  # fmt: skip
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM, BLOCK_D), b_q.dtype, E4M3_BITS)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
+        if ROW_MASK:
+            m_s = m_n[None, :] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        else:
+            m_s = m_n[None, :]
+        b_s = tl.where(m_s, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
+        if ROW_MASK:  # a row that has seen no key yet keeps m = -inf; exponentiate against 0
+            b_m_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        else:
+            b_m_ref = b_m_new
+        b_alpha = tl.exp2(b_m - b_m_ref)
+        b_p = tl.exp2(b_s - b_m_ref[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = tl.load(p_v, mask=m_n[:, None], other=0.0)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_v = _upcast(_load_rows(p_v, m_n, o_d, HEAD_DIM, BLOCK_D), b_q.dtype, E4M3_BITS)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
         o_row, o_pos = o_row_next, o_pos_next
     return b_acc, b_m, b_l
 
 
 @triton.jit
-def _store_output(
-    out_ptr, lse_ptr, b, h_q, n_rows, b_acc, b_m, b_l, stride_ob, stride_oh, stride_lb,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    """Normalize and store rows h_q .. h_q + n_rows of sequence b. l == 0 (empty) gives 0 and -inf."""
-    o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, HEAD_DIM)
-    m_g = o_g < n_rows
-    b_empty = b_l == 0.0
-    b_out = b_acc / tl.where(b_empty, 1.0, b_l)[:, None]
-    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(tl.where(b_empty, 1.0, b_l))) * LN2)
-    p_o = out_ptr + tl.cast(b, tl.int64) * stride_ob + (h_q + o_g).to(tl.int64)[:, None] * stride_oh + o_d[None, :]
-    tl.store(p_o, b_out.to(out_ptr.dtype.element_ty), mask=m_g[:, None])
-    tl.store(lse_ptr + tl.cast(b, tl.int64) * stride_lb + h_q + o_g, b_lse, mask=m_g)
+def _rows(hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):
+    """Rows of head unit hu ([BLOCK_G] each): query token, query head, and whether the row is real."""
+    o_r = (hu % NUM_GC) * BLOCK_G + tl.arange(0, BLOCK_G)
+    if TQ == 1:  # heads in a line: simpler address math, and padded rows need no wrap-around
+        o_t = o_r * 0
+        o_h = (hu // NUM_GC) * GROUP + o_r
+    else:
+        o_t = o_r // GROUP
+        o_h = (hu // NUM_GC) * GROUP + o_r % GROUP
+    return o_t, o_h, o_r < TQ * GROUP
 
 
 @triton.jit
-def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
+def _store_output(
+    out_ptr, lse_ptr, sinks_ptr, b, hu, b_acc, b_m, b_l, HQ, GROUP: tl.constexpr, TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """Normalize and store the rows of head unit hu of sequence b into out (B, TQ, HQ, HEAD_DIM) and
+    lse (B, TQ, HQ), both contiguous. A sink joins the denominator here, once per output; without
+    sinks l == 0 (no key seen) gives out 0 and lse -inf."""
+    o_t, o_h, m_g = _rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    o_d = tl.arange(0, BLOCK_D)
+    if HAS_SINKS:
+        b_sink = tl.load(sinks_ptr + o_h, mask=m_g, other=0.0) * LOG2E
+        b_m_new = tl.maximum(b_m, b_sink)
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_acc = b_acc * b_alpha[:, None]
+        b_l = b_l * b_alpha + tl.exp2(b_sink - b_m_new)
+        b_m = b_m_new
+    b_empty = b_l == 0.0
+    b_out = b_acc / tl.where(b_empty, 1.0, b_l)[:, None]
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(tl.where(b_empty, 1.0, b_l))) * LN2)
+    o_row = (tl.cast(b, tl.int64) * TQ + o_t) * HQ + o_h
+    m_o = m_g[:, None] & (o_d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + o_row[:, None] * HEAD_DIM + o_d[None, :], b_out.to(out_ptr.dtype.element_ty), mask=m_o)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_g)
+
+
+@triton.jit
+def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
     """Write rows [0, n_rows) of one partial to workspace slot o_slot (= 2 * program + 0 or 1)."""
     o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, HEAD_DIM)
+    o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < n_rows
     o_slot = tl.cast(o_slot, tl.int64)
-    tl.store(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_g[:, None])
+    tl.store(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], b_acc, mask=m_g[:, None])
     tl.store(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m, mask=m_g)
     tl.store(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l, mask=m_g)
 
@@ -108,34 +173,39 @@ def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, HEAD_
 @triton.jit
 def _merge_partials(
     ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active, pid, n_rows, b_acc, b_m, b_l,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, ROW_MASK: tl.constexpr,
 ):  # fmt: skip
     """Merge the partials of one output in program order, so the result never depends on arrival.
 
     Contributor p left its partial in slot 1 when the output began after p's first tile (it was p's
     last segment), else in slot 0; the merger's own partial (b_acc, b_m, b_l) is taken from
     registers. Loads use ``.cg`` (L2, not the non-coherent L1): the partials were written by other
-    SMs, and this SM may hold stale copies of neighbouring lines. Rows >= n_rows are padding.
+    SMs, and this SM may hold stale copies of neighbouring lines. Rows >= n_rows are padding. With
+    ROW_MASK a partial's row may have seen no key (m = -inf); see ``_attend``.
     """
     o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, HEAD_DIM)
+    o_d = tl.arange(0, BLOCK_D)
     m_acc = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_acc = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for p in range(p_first, p_last + 1):
         slot = (_program_start(p, total, n_active) < out_start).to(tl.int64)
         o_slot = tl.cast(p, tl.int64) * 2 + slot
         m_g = (o_g < n_rows) & (p != pid)
         b_mp = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
         b_lp = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
-        p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * HEAD_DIM + o_d[None, :]
+        p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :]
         b_accp = tl.load(p_acc, mask=m_g[:, None], other=0.0, cache_modifier=".cg")
         b_mp = tl.where(p == pid, b_m, b_mp)
         b_lp = tl.where(p == pid, b_l, b_lp)
         b_accp = tl.where(p == pid, b_acc, b_accp)
         m_new = tl.maximum(m_acc, b_mp)
-        b_a = tl.exp2(m_acc - m_new)
-        b_c = tl.exp2(b_mp - m_new)
+        if ROW_MASK:  # rows that no partial so far has seen a key of
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        b_a = tl.exp2(m_acc - m_ref)
+        b_c = tl.exp2(b_mp - m_ref)
         l_acc = l_acc * b_a + b_lp * b_c
         acc = acc * b_a[:, None] + b_accp * b_c[:, None]
         m_acc = m_new
@@ -144,26 +214,26 @@ def _merge_partials(
 
 @triton.jit
 def _write_empty_sequences(
-    pid, n_active, seqlens_ptr, out_ptr, lse_ptr, B, HKV, GROUP, NUM_GC,
-    stride_ob, stride_oh, stride_lb, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    pid, n_active, seqlens_ptr, out_ptr, lse_ptr, sinks_ptr, B, HKV, GROUP: tl.constexpr, TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """Zero-length sequences own no tile; active programs share them round-robin: out 0, lse -inf."""
-    b_zero = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    """Zero-length sequences own no tile; active programs share them round-robin: out 0, lse -inf
+    (the sink's logit with sinks)."""
+    b_zero = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     b_none = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_nol = tl.zeros([BLOCK_G], tl.float32)
     for b in range(tl.where(pid < n_active, pid, B), B, n_active):
         if tl.load(seqlens_ptr + b) == 0:
             for hu in range(0, HKV * NUM_GC):
-                row0 = (hu % NUM_GC) * BLOCK_G
-                h_q = (hu // NUM_GC) * GROUP + row0
-                _store_output(out_ptr, lse_ptr, b, h_q, tl.minimum(GROUP - row0, BLOCK_G), b_zero, b_none, b_nol,
-                              stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)
+                _store_output(out_ptr, lse_ptr, sinks_ptr, b, hu, b_zero, b_none, b_nol, HKV * GROUP,
+                              GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
 def _finish_split(
     ws_acc_ptr, ws_ml_ptr, counter_ptr, unit, pid, slot, out_start, n_tiles, total, n_active, n_rows,
-    b_acc, b_m, b_l, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, ROW_MASK: tl.constexpr,
 ):  # fmt: skip
     """Publish this program's partial of a split output; if it arrives last, merge and return True.
 
@@ -171,7 +241,7 @@ def _finish_split(
     atomic; the acq_rel atomic orders the merger's later loads after all contributors' releases.
     """
     _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l,
-                   HEAD_DIM, BLOCK_G)  # fmt: skip
+                   BLOCK_D, BLOCK_G)  # fmt: skip
     tl.debug_barrier()
     p_first = _program_of_tile(out_start, total, n_active)
     p_last = _program_of_tile(out_start + n_tiles - 1, total, n_active)
@@ -182,7 +252,7 @@ def _finish_split(
         tl.atomic_xchg(counter_ptr + unit, 0, sem="relaxed", scope="gpu")
         b_acc, b_m, b_l = _merge_partials(
             ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active, pid, n_rows, b_acc, b_m, b_l,
-            HEAD_DIM, BLOCK_G,
+            BLOCK_D, BLOCK_G, ROW_MASK,
         )  # fmt: skip
     return is_last, b_acc, b_m, b_l
 
@@ -197,45 +267,66 @@ def _seq_base(leftpad_ptr, b, valid, HAS_LEFTPAD: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_ptr, b, hu, valid, stride_qb, stride_qh, dtype: tl.constexpr, GROUP: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):  # fmt: skip
-    """The query rows of head unit hu of sequence b ([BLOCK_G, HEAD_DIM] in the cache dtype; zero
-    rows past the group), or nothing loaded when not ``valid``."""
-    o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, HEAD_DIM)
-    row0 = (hu % NUM_GC) * BLOCK_G
-    h_q = (hu // NUM_GC) * GROUP + row0
-    p_q = q_ptr + tl.cast(b, tl.int64) * stride_qb + (h_q + o_g).to(tl.int64)[:, None] * stride_qh + o_d[None, :]
-    return tl.load(p_q, mask=((o_g < GROUP - row0) & valid)[:, None], other=0.0).to(dtype)
+def _load_q(q_ptr, b, hu, valid, stride_qb, stride_qt, stride_qh, GROUP: tl.constexpr, TQ: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):  # fmt: skip
+    """The query rows of head unit hu of sequence b ([BLOCK_G, BLOCK_D] in q's dtype; zero past the
+    rows and past HEAD_DIM), or nothing loaded when not ``valid``."""
+    o_t, o_h, m_g = _rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    o_d = tl.arange(0, BLOCK_D)
+    o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
+    return _load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
 
 
-# Values that change with the batch, the grid or the cache allocation: specializing on them (a
-# value of 1 becomes a constant, multiples of 16 get an attribute) would compile a new kernel for
-# each; STRIDE_ALIGN restores the alignment facts the vector loads need.
+@triton.jit
+def _row_bounds(hu, span, window, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.constexpr,
+                NUM_GC: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """Keys [lo, hi) of the span each row sees ([BLOCK_G] each): query token t is the span's key
+    span - TQ + t and sees itself and the keys before it, the last ``window`` with a window."""
+    o_t, _, _ = _rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    b_hi = span - TQ + 1 + o_t
+    if HAS_WINDOW:
+        b_lo = tl.maximum(b_hi - window, 0)
+    else:
+        b_lo = b_hi * 0
+    return b_lo, b_hi
+
+
+# Values that change with the batch, the grid, the cache allocation or the model: specializing on
+# them (a value of 1 becomes a constant, multiples of 16 get an attribute) would compile a new
+# kernel for each; STRIDE_ALIGN restores the alignment facts the vector loads need.
 _NOT_SPECIALIZED = [
-    "B", "HKV", "num_programs", "stride_qb", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
-    "stride_vb", "stride_vn", "stride_vh", "stride_bt",
+    "B", "HKV", "num_programs", "max_span", "window", "stride_qb", "stride_qt", "stride_qh",
+    "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_bt",
+    "stride_ks", "stride_vs",
 ]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def decode_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, leftpad_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
-    scale_log2, B, HKV, num_programs,
-    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, cap_log2, B, HKV, num_programs, max_span, window,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    stride_ks, stride_vs,
+    GROUP: tl.constexpr, TQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    STRIDE_ALIGN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
+    E4M3_BITS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
     seqlens_ptr holds each sequence's number of valid keys; with HAS_LEFTPAD they start at cache
-    position leftpad_ptr[b] instead of 0 (left-padded batches). STRIDE_ALIGN divides every q and
-    K/V stride (the launcher checks); dividing and multiplying by it is exact and lets the
-    compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
+    position leftpad_ptr[b] instead of 0 (left-padded batches). Only the last min(len, max_span)
+    of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
+    turns q.k into the log2-domain score (see ``_attend`` for SOFTCAP); with HAS_SCALES (fp8) it
+    is multiplied by the KV head's k_scale and the partial by its v_scale (E4M3_BITS: see
+    ``_upcast``; the scales then carry a factor 2^8). STRIDE_ALIGN divides
+    every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
+    the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
     stride_qb = stride_qb // STRIDE_ALIGN * STRIDE_ALIGN
+    stride_qt = stride_qt // STRIDE_ALIGN * STRIDE_ALIGN
     stride_qh = stride_qh // STRIDE_ALIGN * STRIDE_ALIGN
     stride_kb = stride_kb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_kn = stride_kn // STRIDE_ALIGN * STRIDE_ALIGN
@@ -243,49 +334,59 @@ def decode_attention_fwd_kernel(
     stride_vb = stride_vb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_vn = stride_vn // STRIDE_ALIGN * STRIDE_ALIGN
     stride_vh = stride_vh // STRIDE_ALIGN * STRIDE_ALIGN
-    # out and lse are contiguous (the launcher allocates or checks them): strides from the shape.
-    stride_lb = HKV * GROUP
-    stride_ob = stride_lb * HEAD_DIM
-    stride_oh = HEAD_DIM
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
-    b_cum, total = _scan_batch(seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+    b_cum, total = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
     n_active = _num_active(total, num_programs, MIN_TILES)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
     # The first segment is placed by one search; each later one is the next head unit, whose
     # place, base and q are requested before the current segment's result is stored or merged.
-    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, TILE_N, BLOCK_B)
-    b_q = _load_q(q_ptr, b, hu, t0 < t1, stride_qb, stride_qh, k_ptr.dtype.element_ty, GROUP, HEAD_DIM, BLOCK_G, NUM_GC)
+    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    b_q = _load_q(q_ptr, b, hu, t0 < t1, stride_qb, stride_qt, stride_qh, GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)
     n_base = _seq_base(leftpad_ptr, b, t0 < t1, HAS_LEFTPAD)
     t = t0
     slot = 0  # workspace slot of this segment's partial: 0 for the program's first segment, else 1
     while t < t1:
-        n_tiles = _cdiv(seq_len, TILE_N)
+        if HAS_WINDOW:  # constexpr: without a window span == seq_len, and ptxas keeps fewer registers live
+            span = tl.minimum(seq_len, max_span)
+        else:
+            span = seq_len
+        n_tiles = _cdiv(span, TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
+        h_kv = hu // NUM_GC
+        b_lo, b_hi = _row_bounds(hu, span, window, GROUP, TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
+        if HAS_SCALES:
+            k_scale = tl.load(k_scale_ptr + h_kv * stride_ks)
+        else:
+            k_scale = 1.0
         b_acc, b_m, b_l = _attend(
-            b_q, k_ptr, v_ptr, bt_ptr, b, hu // NUM_GC, n_base, tile * TILE_N,
-            tl.minimum((tile + seg_end - t) * TILE_N, seq_len), scale_log2,
+            b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base + seq_len - span, tile * TILE_N,
+            tl.minimum((tile + seg_end - t) * TILE_N, span), b_lo, b_hi, qk_scale * k_scale, cap_log2,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-            HEAD_DIM, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TQ > 1, SOFTCAP, E4M3_BITS,
         )  # fmt: skip
+        if HAS_SCALES:
+            v_scale = tl.load(v_scale_ptr + h_kv * stride_vs)
+            if E4M3_BITS:
+                v_scale = v_scale * 256.0
+            b_acc = b_acc * v_scale
         nb, nhu, n_seq_len = _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, seg_end < t1)
-        b_q = _load_q(q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qh, k_ptr.dtype.element_ty,
-                      GROUP, HEAD_DIM, BLOCK_G, NUM_GC)  # fmt: skip
+        b_q = _load_q(q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qt, stride_qh,
+                      GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)  # fmt: skip
         n_base_next = _seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
-        row0 = (hu % NUM_GC) * BLOCK_G
-        n_rows = tl.minimum(GROUP - row0, BLOCK_G)
+        n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)
         do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
         if not do_store:
             do_store, b_acc, b_m, b_l = _finish_split(
                 ws_acc_ptr, ws_ml_ptr, counter_ptr, b * HU + hu, pid, slot, out_start, n_tiles,
-                total, n_active, n_rows, b_acc, b_m, b_l, HEAD_DIM, BLOCK_G,
+                total, n_active, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G, TQ > 1,
             )  # fmt: skip
         if do_store:
-            _store_output(out_ptr, lse_ptr, b, (hu // NUM_GC) * GROUP + row0, n_rows, b_acc, b_m, b_l,
-                          stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)  # fmt: skip
+            _store_output(out_ptr, lse_ptr, sinks_ptr, b, hu, b_acc, b_m, b_l, HKV * GROUP,
+                          GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, HAS_SINKS)  # fmt: skip
         t, b, hu, tile, seq_len, n_base, slot = seg_end, nb, nhu, tile * 0, n_seq_len, n_base_next, 1
     # Off the critical path: nothing waits on the outputs of empty sequences.
-    _write_empty_sequences(pid, n_active, seqlens_ptr, out_ptr, lse_ptr, B, HKV, GROUP, NUM_GC,
-                           stride_ob, stride_oh, stride_lb, HEAD_DIM, BLOCK_G)  # fmt: skip
+    _write_empty_sequences(pid, n_active, seqlens_ptr, out_ptr, lse_ptr, sinks_ptr, B, HKV,
+                           GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, HAS_SINKS)  # fmt: skip

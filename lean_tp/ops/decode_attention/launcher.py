@@ -19,24 +19,46 @@ from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
     INTERPRETER_PROGRAMS,
+    arch_of,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
     DecodeConfig,
     block_g_for,
     get_config,
+    padded_head_dim,
 )
+
+@dataclasses.dataclass(frozen=True)
+class KernelFeatures:
+    """What a call uses beyond one-token decode of a 16/32-bit cache; each selects a kernel variant."""
+
+    num_tokens: int = 1  # Tq, query tokens per sequence
+    fp8: torch.dtype | None = None  # the cache's fp8 dtype, None when the cache has q's dtype
+    softcap: bool = False
+    window: bool = False
+    sinks: bool = False
+
+
+def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
+    """Whether an fp8 cache is read as bytes and converted by hand: float8_e4m3fn before sm_89,
+    where Triton has no e4m3 type (sm_80 compiles e5m2, sm_90 and the interpreter both)."""
+    return fp8 == torch.float8_e4m3fn and arch == "sm80"
+
 
 def kernel_constexprs(
     config: DecodeConfig, head_dim: int, group: int, dtype: torch.dtype, page_size: int | None,
-    has_leftpad: bool = False,
-) -> dict[str, Any]:
-    """Compile-time arguments of the kernel for one problem family."""
-    block_g = block_g_for(group, config)
+    has_leftpad: bool = False, features: KernelFeatures = KernelFeatures(), arch: str = "interp",
+) -> dict[str, Any]:  # fmt: skip
+    """Compile-time arguments of the kernel for one problem family (``dtype``: q's dtype; ``arch``:
+    the tuning-table key of the target)."""
+    block_g = block_g_for(features.num_tokens * group, config)
     return {
         "GROUP": group,
+        "TQ": features.num_tokens,
         "HEAD_DIM": head_dim,
+        "BLOCK_D": padded_head_dim(head_dim),
         "BLOCK_G": block_g,
-        "NUM_GC": math.ceil(group / block_g),
+        "NUM_GC": math.ceil(features.num_tokens * group / block_g),
         "BLOCK_N": config.block_n,
         "TILE_N": config.tile_n,
         "PAGED": page_size is not None,
@@ -45,6 +67,11 @@ def kernel_constexprs(
         "BLOCK_B": SCHEDULE_BLOCK_B,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "HAS_LEFTPAD": has_leftpad,
+        "HAS_WINDOW": features.window,
+        "SOFTCAP": features.softcap,
+        "HAS_SINKS": features.sinks,
+        "HAS_SCALES": features.fp8 is not None,
+        "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
     }
 
 
@@ -124,36 +151,45 @@ def programs_per_sm(n_regs: int, shared: int, num_warps: int, limits: SMLimits) 
 
 def example_args(
     dtype: torch.dtype, head_dim: int, group: int, page_size: int | None, has_leftpad: bool, config: DecodeConfig,
-    device: torch.device | str = "meta",
+    device: torch.device | str = "meta", features: KernelFeatures = KernelFeatures(), arch: str = "interp",
 ) -> dict[str, Any]:
-    """Launch arguments of a typical call (aligned, contiguous buffers; meta tensors by default).
+    """Launch arguments of a typical call for target ``arch`` (aligned, contiguous buffers; meta
+    tensors by default).
 
     The kernel does not specialize on batch, heads, grid size or strides, so these compile to the
     same kernel as any real call of the family with 16-byte aligned buffers.
     """
     batch, num_kv_heads, pages = 2, 1, 4
-    q = torch.empty(batch, group * num_kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.empty(batch, features.num_tokens, group * num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache_dtype = features.fp8 or dtype
     if page_size is None:
-        cache = torch.empty(batch, num_kv_heads, pages * 16, head_dim, dtype=dtype, device=device)
+        cache = torch.empty(batch, num_kv_heads, pages * 16, head_dim, dtype=cache_dtype, device=device)
     else:
-        cache = torch.empty(batch * pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        cache = torch.empty(batch * pages, page_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
     lens = torch.empty(batch, dtype=torch.int32, device=device)
     table = lens.new_empty(batch, pages) if page_size is not None else None
-    constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size, has_leftpad)
-    workspace = alloc_workspace(1, constexprs["BLOCK_G"], head_dim, torch.device(device))
+    constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size, has_leftpad, features)
+    workspace = alloc_workspace(1, constexprs["BLOCK_G"], head_dim, torch.device(device))  # row blocks only
+    vector = torch.empty(group * num_kv_heads, device=device)
     return launch_args(
         q, cache, cache, lens, lens if has_leftpad else None, table, torch.empty_like(q),
-        torch.empty(batch, group, device=device), workspace, lens, 1.0, 1, config,
+        torch.empty(q.shape[:-1], device=device), workspace, lens, 1.0, 1, config,
+        k_scale=vector[:1] if features.fp8 else None, v_scale=vector[:1] if features.fp8 else None,
+        softcap=30.0 if features.softcap else None, window=128 if features.window else None,
+        sinks=vector if features.sinks else None, arch=arch,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
-def _programs_per_sm_on(index: int, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None) -> int:
+def _programs_per_sm_on(
+    index: int, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None, features: KernelFeatures
+) -> int:
     """Programs per SM of the family's launched kernel on CUDA device ``index``, capped by the table."""
     from triton.runtime import driver
 
     config = get_config(torch.device("cuda", index), head_dim, dtype)
-    args = example_args(dtype, head_dim, group, page_size, False, config)
+    args = example_args(dtype, head_dim, group, page_size, False, config, features=features,
+                        arch=arch_of(torch.device("cuda", index)))  # fmt: skip
     with torch.cuda.device(index):
         kernel = compile_as_launched(args, config, driver.active.get_current_target())
         kernel._init_handles()
@@ -161,26 +197,31 @@ def _programs_per_sm_on(index: int, dtype: torch.dtype, head_dim: int, group: in
     return max(1, min(occupancy, config.max_programs_per_sm))
 
 
-def grid_size(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None = None) -> int:
+def grid_size(
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None = None,
+    features: KernelFeatures = KernelFeatures(),
+) -> int:  # fmt: skip
     """Programs of the persistent grid on ``device``: SM count x resident programs per SM.
 
-    Queried once per (device, configuration) and cached, so ranks on different GPU models each get
-    their own size. On CPU (the Triton interpreter) it is ``INTERPRETER_PROGRAMS``.
+    Queried once per (device, configuration, features) and cached, so ranks on different GPU
+    models each get their own size. On CPU (the Triton interpreter) it is ``INTERPRETER_PROGRAMS``.
+    ``dtype`` is q's dtype (an fp8 cache is named in ``features``).
     """
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * _programs_per_sm_on(index, dtype, head_dim, group, page_size)
+    return sms * _programs_per_sm_on(index, dtype, head_dim, group, page_size, features)
 
 
 def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials of two segments per program: acc (G, 2, BLOCK_G, D) and (m, l) (G, 2, 2, BLOCK_G), fp32.
+    """Partials of two segments per program: acc (G, 2, BLOCK_G, BLOCK_D) and (m, l) (G, 2, 2, BLOCK_G),
+    fp32; BLOCK_D is head_dim padded as the kernel pads it.
 
     Its size depends on the grid alone, never on lengths: a program contributes partials to at
     most two outputs, the one its range starts in and the one it ends in.
     """
-    ws_acc = torch.empty(num_programs, 2, block_g, head_dim, device=device, dtype=torch.float32)
+    ws_acc = torch.empty(num_programs, 2, block_g, padded_head_dim(head_dim), device=device, dtype=torch.float32)
     ws_ml = torch.empty(num_programs, 2, 2, block_g, device=device, dtype=torch.float32)
     return ws_acc, ws_ml
 
@@ -194,6 +235,11 @@ def decode_attention_fwd(
     softmax_scale: float,
     *,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     num_programs: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
@@ -205,85 +251,130 @@ def decode_attention_fwd(
     """Launch the LeanAttention decode kernel on validated inputs.
 
     Args:
-        q: (B, Hq, D).
+        q: (B, Hq, D) or (B, Tq, Hq, D).
         k_cache, v_cache: (B, Hkv, S_max, D) with ``stride(-1) == 1``, or paged
-            (num_pages, page_size, Hkv, D) together with ``block_table``.
+            (num_pages, page_size, Hkv, D) together with ``block_table``; q's dtype or fp8.
         cache_seqlens: (B,) int32.
         block_table: (B, max_pages_per_seq) int32 or None.
         softmax_scale: multiplier of q.k.
         cache_leftpad: (B,) int32 or None: sequence b's keys are cache positions
             [cache_leftpad[b], cache_seqlens[b]) instead of [0, cache_seqlens[b]).
+        k_scale, v_scale: (Hkv,) or (1,) float32, fp8 caches only.
+        softcap, window: as in ``lean_tp.decode_attention``; sinks: (Hq,) float32 or None.
         num_programs: grid size override (tests force tiny and huge grids); default ``grid_size``.
         config: tuning override; default the tuning-table entry.
         counters: (>= B * Hkv * NUM_GC,) int32 zeros, reused across launches (the kernel leaves
             them at zero); default a fresh zeroed buffer.
-        out, lse: preallocated results (tests pass NaN-filled ones to catch unwritten elements).
+        out, lse: preallocated results of the shapes returned (tests pass NaN-filled ones to catch
+            unwritten elements).
         workspace: preallocated ``alloc_workspace`` buffers; their contents are never read before
             they are written.
         launch: wraps the kernel before launch (``torch.library.wrap_triton`` under the op).
 
     Returns:
-        out (B, Hq, D) in q's dtype and lse (B, Hq) float32, natural log.
+        out in q's shape and dtype, and lse float32 in q's shape without D, natural log.
     """
-    batch, num_q_heads, head_dim = q.shape
+    q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(k_cache, v_cache, block_table)
-    group = num_q_heads // layout.num_kv_heads
-    config = config or get_config(q.device, head_dim, layout.dtype)
+    head_dim, group = q.shape[-1], q.shape[-2] // layout.num_kv_heads
+    features = features_of(q4, layout.dtype, softcap, window, sinks)
+    config = config or get_config(q.device, head_dim, q.dtype)
     if num_programs is None:
-        num_programs = grid_size(q.device, layout.dtype, head_dim, group, layout.page_size)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if lse is None:
-        lse = torch.empty(batch, num_q_heads, device=q.device, dtype=torch.float32)
+        num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features)
+    if q4.stride(-1) != 1:
+        q4 = q4.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32) if lse is None else lse
     if not (out.is_contiguous() and lse.is_contiguous()):
         raise ValueError(f"out, lse: expected contiguous tensors, got strides {out.stride()} and {lse.stride()}")
-    rows = kernel_constexprs(config, head_dim, group, layout.dtype, layout.page_size)  # row blocks: BLOCK_G, NUM_GC
+    out4, lse4 = out.view(q4.shape), lse.view(q4.shape[:-1])
+    rows = kernel_constexprs(config, head_dim, group, q.dtype, layout.page_size, features=features)
     workspace = workspace or alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
     if counters is None:
-        counters = torch.zeros(batch * layout.num_kv_heads * rows["NUM_GC"], device=q.device, dtype=torch.int32)
-    args = launch_args(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out, lse, workspace, counters,
-                       softmax_scale, num_programs, config)  # fmt: skip
+        counters = torch.zeros(q.shape[0] * layout.num_kv_heads * rows["NUM_GC"], device=q.device, dtype=torch.int32)
+    args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
+                       softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks)  # fmt: skip
     launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
+
+
+def features_of(
+    q4: torch.Tensor, cache_dtype: torch.dtype, softcap: float | None, window: int | None, sinks: torch.Tensor | None
+) -> KernelFeatures:
+    """The kernel variant a call needs; q4 is (B, Tq, Hq, D)."""
+    fp8 = cache_dtype if cache_dtype != q4.dtype else None
+    return KernelFeatures(q4.shape[1], fp8, softcap is not None, window is not None, sinks is not None)
+
+
+def _stride_align(strides: tuple[int, ...], element_size: int) -> int:
+    """The largest power of two, at most 16 bytes' worth of elements, that divides every stride."""
+    align = 16 // element_size
+    while align > 1 and any(x % align for x in strides):
+        align //= 2
+    return align
+
+
+# More keys than any cache holds: without a window every valid key is tiled.
+NO_SPAN_LIMIT = 2**30
 
 
 def launch_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
     workspace: tuple[torch.Tensor, torch.Tensor], counters: torch.Tensor, softmax_scale: float, num_programs: int,
-    config: DecodeConfig,
-) -> dict[str, Any]:
-    """Every argument of ``decode_attention_fwd_kernel`` by name (shapes as in ``decode_attention_fwd``)."""
+    config: DecodeConfig, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    softcap: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+    arch: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Every argument of ``decode_attention_fwd_kernel`` by name; q, out (B, Tq, Hq, D), lse
+    (B, Tq, Hq), other shapes as in ``decode_attention_fwd``. ``arch``: the target's tuning key,
+    by default that of q's device."""
     layout = CacheLayout.of(k_cache, v_cache, block_table)
-    group = q.shape[1] // layout.num_kv_heads
-    strides = (q.stride(0), q.stride(1), *layout.k_strides, *layout.v_strides)
-    # The strides are not specialized (a new value must not recompile), so the kernel is told that
-    # they keep rows 16-byte aligned when they do: that is what allows 16-byte vector loads.
-    vec = 16 // q.element_size()
-    constexprs = kernel_constexprs(config, q.shape[-1], group, layout.dtype, layout.page_size, cache_leftpad is not None)
+    group = q.shape[2] // layout.num_kv_heads
+    features = features_of(q, layout.dtype, softcap, window, sinks)
+    strides = (q.stride(0), q.stride(1), q.stride(2), *layout.k_strides, *layout.v_strides)
+    arch = arch or arch_of(q.device)
+    constexprs = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size, cache_leftpad is not None,
+                                   features, arch)  # fmt: skip
+    kv_scale = 256.0 if constexprs["E4M3_BITS"] else 1.0  # see the kernel's _upcast
+    if constexprs["E4M3_BITS"]:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
     lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+    # Scores in the log2 domain; with a softcap, the argument of the exp2 form of tanh (see _attend).
+    log2_scale = softmax_scale * math.log2(math.e)
+    placeholder = lengths  # passed for pointers the variant never reads
     args = {
         "q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "seqlens_ptr": lengths,
-        "leftpad_ptr": cache_leftpad if cache_leftpad is not None else lengths,  # never read without left padding
-        "bt_ptr": block_table if layout.paged else lengths,  # never read when not paged
+        "leftpad_ptr": cache_leftpad if cache_leftpad is not None else placeholder,
+        "bt_ptr": block_table if layout.paged else placeholder,
         "out_ptr": out, "lse_ptr": lse, "ws_acc_ptr": workspace[0], "ws_ml_ptr": workspace[1], "counter_ptr": counters,
-        "scale_log2": softmax_scale * math.log2(math.e), "B": q.shape[0], "HKV": layout.num_kv_heads,
-        "num_programs": num_programs,
-        "stride_qb": q.stride(0), "stride_qh": q.stride(1),
+        "k_scale_ptr": k_scale if k_scale is not None else placeholder,
+        "v_scale_ptr": v_scale if v_scale is not None else placeholder,
+        "sinks_ptr": sinks if sinks is not None else placeholder,
+        "qk_scale": kv_scale * (2 * log2_scale / softcap if softcap is not None else log2_scale),
+        "cap_log2": softcap * math.log2(math.e) if softcap is not None else 0.0,
+        "B": q.shape[0], "HKV": layout.num_kv_heads, "num_programs": num_programs,
+        "max_span": window + q.shape[1] - 1 if window is not None else NO_SPAN_LIMIT,
+        "window": window if window is not None else NO_SPAN_LIMIT,
+        "stride_qb": q.stride(0), "stride_qt": q.stride(1), "stride_qh": q.stride(2),
         "stride_kb": layout.k_strides[0], "stride_kn": layout.k_strides[1], "stride_kh": layout.k_strides[2],
         "stride_vb": layout.v_strides[0], "stride_vn": layout.v_strides[1], "stride_vh": layout.v_strides[2],
         "stride_bt": block_table.stride(0) if layout.paged else 0,
-        "STRIDE_ALIGN": vec if all(x % vec == 0 for x in strides) else 1,
+        # A (1,) scale is per tensor: stride 0 reads it for every KV head.
+        "stride_ks": int(k_scale is not None and k_scale.numel() > 1),
+        "stride_vs": int(v_scale is not None and v_scale.numel() > 1),
+        # The strides are not specialized (a new value must not recompile), so the kernel is told
+        # how far they keep rows 16-byte aligned: that is what allows 16-byte vector loads.
+        "STRIDE_ALIGN": _stride_align(strides, layout.dtype.itemsize),
         **constexprs,
     }  # fmt: skip
     return check_launch_args(decode_attention_fwd_kernel, args)
 
 
 def lean_schedule(
-    cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None
+    cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None,
+    max_span: int = NO_SPAN_LIMIT,
 ) -> list[list[tuple[int, int, int, int, int]]]:
     """The kernel's stream-K schedule, computed by the kernel's own schedule code.
 
@@ -293,6 +384,8 @@ def lean_schedule(
         tile_n: LeanTile size in tokens; num_programs: launched grid size.
         max_segments: room for segments per program; ``ValueError`` if a program has more. By
             default as much as needed: too little room reruns with the count the kernel reported.
+        max_span: keys of a sequence that are tiled, its last ``min(len, max_span)``
+            (``window + Tq - 1`` with a sliding window).
 
     Returns:
         One list per active program of segments ``(b, head_unit, first_tile, n_tiles, contributors)``,
@@ -304,7 +397,7 @@ def lean_schedule(
         segs = torch.full((num_programs, room, 5), -1, dtype=torch.int32, device=device)
         nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
         lean_schedule_kernel[(num_programs,)](
-            cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs,
+            cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs, max_span,
             TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=room,
         )  # fmt: skip
         counts = nseg.tolist()

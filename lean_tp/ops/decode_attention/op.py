@@ -53,11 +53,11 @@ def decode_attention_op(
     if uses_triton(q.device, q.shape[-1], q.dtype, backend, features):
         if block_table is not None and block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
-        out, lse = decode_attention_fwd(
-            q[:, 0] if q.dim() == 4 else q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
-            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None, launch=_launch,
+        return decode_attention_fwd(
+            q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
+            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
+            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, launch=_launch,
         )  # fmt: skip
-        return (out[:, None], lse[:, None]) if q.dim() == 4 else (out, lse)  # a (B, 1, Hq, D) q
     return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad,
                                   k_scale, v_scale, softcap, window, sinks)  # fmt: skip
 
@@ -105,8 +105,7 @@ def decode_attention(
         softmax_scale: multiplier of q.k; default ``1 / sqrt(D)``.
         return_lse: also return lse (see Returns).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``. The
-            Triton kernel does not yet take Tq > 1, fp8, softcap, window or sinks: such calls need
-            ``"torch"`` on CUDA.
+            Triton backend takes head dims that are multiples of 8 up to 256; the torch backend any.
         k_scale, v_scale: fp8 caches only (required there): the value used is
             ``cache.float() * scale``; a float, or a float32 tensor on q's device of shape (Hkv,)
             (per KV head) or (1,) (per tensor, as vLLM keeps it).

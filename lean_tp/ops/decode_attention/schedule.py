@@ -1,8 +1,11 @@
 """Stream-K schedule of the decode kernel, computed on the device.
 
 All LeanTiles are laid end to end in (sequence, head unit, context) order. A head unit is one KV
-head and one block of its query rows (more than one block only for groups larger than the kernel's
-row block). Sequence ``b`` holds ``HU * cdiv(len_b, TILE_N)`` tiles. With ``n_active`` programs,
+head and one block of its query rows (the Tq x group rows of a KV head, in more than one block
+only when they outnumber the kernel's row block). Sequence ``b`` holds ``HU * cdiv(span_b, TILE_N)``
+tiles, where ``span_b = min(len_b, max_span)`` counts the keys any of its queries sees: the last
+``window + Tq - 1`` with a sliding window (``max_span`` is then that), else all ``len_b``. Keys
+before the span are never tiled, so a 4k window over a 128k cache costs like a 4k cache. With ``n_active`` programs,
 program ``p`` owns tiles ``[start(p), start(p + 1))`` where ``start(p) = p * base + min(p, rem)``,
 ``base, rem = divmod(total, n_active)``: equal loads, ±1 tile.
 
@@ -21,23 +24,23 @@ def _cdiv(a, b):
 
 
 @triton.jit
-def _tile_counts(seqlens_ptr, b0, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B]; 0 past the batch): HU * cdiv(len, TILE_N)."""
+def _tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B]; 0 past the batch): HU * cdiv(span, TILE_N)."""
     o_b = b0 + tl.arange(0, BLOCK_B)
-    return _cdiv(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), TILE_N) * HU
+    return _cdiv(tl.minimum(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), max_span), TILE_N) * HU
 
 
 @triton.jit
-def _scan_batch(seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]) and the batch's total.
 
     The first block's counts are loaded once and kept in registers: ``_locate`` reuses them, so a
     decode batch (B <= BLOCK_B) reads the lengths once before its first K/V request.
     """
-    b_cum = tl.cumsum(_tile_counts(seqlens_ptr, 0, B, HU, TILE_N, BLOCK_B), axis=0)
+    b_cum = tl.cumsum(_tile_counts(seqlens_ptr, 0, B, HU, max_span, TILE_N, BLOCK_B), axis=0)
     total = tl.max(b_cum, axis=0)
     for b0 in range(BLOCK_B, B, BLOCK_B):
-        total += tl.sum(_tile_counts(seqlens_ptr, b0, B, HU, TILE_N, BLOCK_B), axis=0)
+        total += tl.sum(_tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N, BLOCK_B), axis=0)
     return b_cum, total
 
 
@@ -65,7 +68,7 @@ def _program_of_tile(t, total, n_active):
 
 
 @triton.jit
-def _locate(t, b_cum, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def _locate(t, b_cum, seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Place tile t < total: (sequence b, head unit, tile inside the head unit's range, b's length).
 
     b is the number of sequences whose inclusive cumulative tile count is <= t, which skips
@@ -79,13 +82,13 @@ def _locate(t, b_cum, seqlens_ptr, B, HU, TILE_N: tl.constexpr, BLOCK_B: tl.cons
     running = tl.max(b_cum, axis=0)
     for b0 in range(BLOCK_B, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
-        b_cum_next = running + tl.cumsum(_tile_counts(seqlens_ptr, b0, B, HU, TILE_N, BLOCK_B), axis=0)
+        b_cum_next = running + tl.cumsum(_tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N, BLOCK_B), axis=0)
         m_before = (b_cum_next <= t) & (o_b < B)
         b += tl.sum(m_before.to(tl.int32), axis=0)
         b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum_next, 0), axis=0))
         running = tl.max(b_cum_next, axis=0)
     seq_len = tl.load(seqlens_ptr + b, mask=b < B, other=0)
-    n_tiles = tl.maximum(_cdiv(seq_len, TILE_N), 1)  # t >= total (an idle program) finds no sequence
+    n_tiles = tl.maximum(_cdiv(tl.minimum(seq_len, max_span), TILE_N), 1)  # t >= total: an idle program
     return b, (t - b_start) // n_tiles, (t - b_start) % n_tiles, seq_len
 
 
@@ -115,6 +118,7 @@ def lean_schedule_kernel(
     B,
     HU,
     num_programs,
+    max_span,  # keys of a sequence that are tiled: window + Tq - 1, or more than any length
     TILE_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -122,15 +126,15 @@ def lean_schedule_kernel(
 ):
     """Write out every program's segments exactly as the attention kernel walks them."""
     pid = tl.program_id(0)
-    b_cum, total = _scan_batch(seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+    b_cum, total = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
     n_active = _num_active(total, num_programs, MIN_TILES)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
-    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, TILE_N, BLOCK_B)
+    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
     t = t0
     n = 0
     while t < t1:
-        n_tiles = _cdiv(seq_len, TILE_N)
+        n_tiles = _cdiv(tl.minimum(seq_len, max_span), TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
         n_contrib = (

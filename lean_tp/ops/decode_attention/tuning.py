@@ -1,6 +1,6 @@
 """The one table of tuning constants for the decode kernel, each with the reason it holds.
 
-A configuration is chosen by (architecture, head_dim, element size). ``arch`` is ``"sm80"`` for
+A configuration is chosen by (architecture, padded head_dim, element size of q). ``arch`` is ``"sm80"`` for
 Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
 nothing is timed and only correctness matters.
 
@@ -89,7 +89,17 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("interp", 256, 4): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
 }
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The kernel takes any head_dim that is a multiple of 8 up to 256 (a 16-byte row of 16-bit values),
+# padded to a power of two >= 16 for ``tl.dot`` with the padding masked. The table has one entry per
+# padded size that has its own registers and shared-memory budget; smaller ones use the 64 entry.
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+TABLE_HEAD_DIMS = (64, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """BLOCK_D: head_dim rounded up to a power of two >= 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def arch_of(device: torch.device) -> str:
@@ -101,22 +111,30 @@ def arch_of(device: torch.device) -> str:
 
 
 def get_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The tuning-table entry for a problem on ``device``; raises ``ValueError`` for an unsupported head_dim."""
+    """The tuning-table entry for a problem on ``device`` (``dtype``: q's); ``ValueError`` for a
+    head_dim the kernel does not take."""
     return config_for(arch_of(device), head_dim, dtype)
 
 
 def config_for(arch: str, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have)."""
-    key = (arch, head_dim, dtype.itemsize)
-    if key not in TUNING_TABLE:
+    """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have).
+
+    ``dtype`` is q's dtype: an fp8 cache is upcast to it right after loading, so its kernel has
+    the registers and dot shapes of the 16-bit entry (and half its bytes per tile; unmeasured).
+    """
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
         raise ValueError(
-            f"head_dim: expected one of {SUPPORTED_HEAD_DIMS} with fp16, bf16 or fp32 for the Triton "
-            f"backend, got head_dim={head_dim}, dtype={dtype}"
+            f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the Triton backend, "
+            f"got head_dim={head_dim}"
         )
+    key = (arch, max(TABLE_HEAD_DIMS[0], padded_head_dim(head_dim)), dtype.itemsize)
+    if key not in TUNING_TABLE:
+        raise ValueError(f"q: expected dtype float16, bfloat16 or float32 for the Triton backend, got {dtype}")
     return TUNING_TABLE[key]
 
 
-def block_g_for(group: int, config: DecodeConfig) -> int:
-    """Query rows computed together: the GQA group padded to a power of two >= 16 for ``tl.dot``."""
-    padded = max(16, 1 << (group - 1).bit_length())
+def block_g_for(rows: int, config: DecodeConfig) -> int:
+    """Query rows computed together: a KV head's Tq x group rows padded to a power of two >= 16 for
+    ``tl.dot``, at most ``max_block_g`` (more rows take more row blocks)."""
+    padded = max(16, 1 << (rows - 1).bit_length())
     return min(padded, config.max_block_g)

@@ -1,0 +1,69 @@
+"""CUDA tests of the serving features on the Triton kernel: bf16 and fp8 caches, Tq > 1, windows,
+softcap, sinks, padded head dims, alone and together, and CUDA-graph replay with new lengths.
+
+Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them on a GPU.
+"""
+
+import pytest
+import torch
+from test_decode_attention_features import make_feature_inputs
+
+import lean_tp
+from lean_tp.ops.decode_attention import decode_attention_ref
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (python scripts/gpu_check.py runs it on a GPU)", allow_module_level=True)
+
+ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+LENS = [0, 1, 63, 64, 65, 129, 5000]
+FEATURES = {
+    "tq4": dict(tq=4),
+    "window": dict(window=100, leftpad=[3] * len(LENS)),
+    "tq3_window": dict(tq=3, window=17),
+    "softcap": dict(softcap=5.0),
+    "sinks": dict(sinks=True),
+    "fp8_e4m3": dict(cache_dtype=torch.float8_e4m3fn, per_head_scale=True),
+    "fp8_e5m2": dict(cache_dtype=torch.float8_e5m2),
+    "all": dict(tq=4, cache_dtype=torch.float8_e4m3fn, softcap=10.0, window=300, sinks=True, leftpad=[1] * len(LENS)),
+}
+
+
+def _cuda(inputs: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _check(inputs: dict, atol: float) -> None:
+    out, lse = lean_tp.decode_attention(**_cuda(inputs), return_lse=True)
+    ref_out, ref_lse = decode_attention_ref(**inputs)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=atol, rtol=0)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_feature_cuda(dtype, feature, head_dim, layout):
+    inputs = make_feature_inputs(LENS, 16, 4, head_dim, dtype, layout, seed=head_dim, **FEATURES[feature])
+    _check(inputs, ATOL[dtype])
+
+
+def test_graph_replay_with_every_feature():
+    inputs = _cuda(make_feature_inputs([4000, 300, 0, 1], 16, 4, 128, torch.bfloat16, "contiguous", tq=4,
+                                       cache_dtype=torch.float8_e4m3fn, softcap=10.0, window=700, sinks=True,
+                                       per_head_scale=True, seed=1))  # fmt: skip
+    inputs["k_cache"] = torch.cat([inputs["k_cache"].float()] * 2, 2).to(torch.float8_e4m3fn)  # room to grow
+    inputs["v_cache"] = torch.cat([inputs["v_cache"].float()] * 2, 2).to(torch.float8_e4m3fn)
+    lean_tp.decode_attention(**inputs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = lean_tp.decode_attention(**inputs, return_lse=True)
+    for new in ([1, 8000, 77, 0], [0, 0, 0, 0], [4, 4096, 5000, 3]):
+        inputs["cache_seqlens"].copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, _ = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        torch.testing.assert_close(out.cpu().double(), ref_out, atol=ATOL[torch.bfloat16], rtol=0)

@@ -1,0 +1,183 @@
+"""Serving features on the Triton kernel (interpreter on CPU): multi-token queries, sliding windows,
+softcap, sinks, fp8 KV caches and head dims that are not a power of two, alone and together,
+against the float64 reference.
+
+Outputs, lse and the workspace are NaN-filled before each launch, so an unwritten element fails.
+Grids are forced to 1 program (no splits), 4 and 64 (many splits: outputs straddle programs, so
+windows, sinks and query rows cross merges). The interpreter's bf16 arithmetic is wrong (BRIEF.md),
+so it runs fp16 and fp32 here; bf16, and every fp8 configuration, are compiled for sm_80 and
+sm_90 by tests/test_kernel_report.py and run on a GPU by tests/gpu.
+"""
+
+import pytest
+import torch
+from helpers import LAYOUTS
+from test_decode_attention_features import make_feature_inputs
+
+import lean_tp
+from lean_tp.ops.decode_attention import decode_attention_ref
+from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, kernel_support
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.launcher import (
+    alloc_workspace,
+    decode_attention_fwd,
+    features_of,
+    kernel_constexprs,
+    launch_args,
+)
+from lean_tp.ops.decode_attention.tuning import get_config
+from lean_tp.ops.utils import interpreted
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
+)
+
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+FEATURE_ARGS = ("cache_leftpad", "k_scale", "v_scale", "softcap", "window", "sinks")
+
+
+def _scale(x):
+    return torch.tensor([x], dtype=torch.float32) if isinstance(x, float) else x
+
+
+def _kernel_call(inputs: dict, num_programs: int) -> tuple[dict, dict]:
+    """Launcher arguments with NaN-filled out, lse and workspace, and the reference's arguments."""
+    q = inputs["q"]
+    q4 = q if q.dim() == 4 else q[:, None]
+    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
+    features = features_of(q4, layout.dtype, inputs["softcap"], inputs["window"], inputs["sinks"])
+    config = get_config(q.device, q.shape[-1], q.dtype)
+    rows = kernel_constexprs(config, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
+                             features=features)  # fmt: skip
+    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, rows["BLOCK_G"], q.shape[-1], "cpu"))
+    call = {**inputs, "k_scale": _scale(inputs.get("k_scale")), "v_scale": _scale(inputs.get("v_scale"))}
+    call.update(softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, workspace=workspace,
+                out=torch.full_like(q, float("nan")), lse=torch.full(q.shape[:-1], float("nan")))  # fmt: skip
+    return call, inputs
+
+
+def check_kernel(inputs: dict, num_programs: int, atol: float) -> None:
+    call, ref_args = _kernel_call(inputs, num_programs)
+    out, lse = decode_attention_fwd(**call)
+    assert out.shape == inputs["q"].shape and lse.shape == inputs["q"].shape[:-1]
+    assert not out.isnan().any() and not lse.isnan().any(), "unwritten (NaN) output elements"
+    ref_out, ref_lse = decode_attention_ref(**ref_args)
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
+    finite = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~finite]).all() and (out[~finite] == 0).all()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+def tile_lens(head_dim: int = 64) -> list[int]:
+    """0, 1, tile - 1, tile, tile + 1 and a few tiles: every way a sequence meets the LeanTiles."""
+    tile = get_config(torch.device("cpu"), head_dim, torch.float32).tile_n
+    return [0, 1, tile - 1, tile, tile + 1, 3 * tile + 5]
+
+
+@pytest.mark.parametrize("num_programs", [1, 4, 64])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("tq,hq,hkv", [(2, 8, 2), (4, 4, 4), (8, 8, 1)], ids=["tq2_g4", "tq4_g1", "tq8_mqa"])
+def test_multi_token_queries(tq, hq, hkv, layout, num_programs):
+    """Tq x group rows per KV head (8 x 8 = 64: a full row block); lengths below Tq leave rows empty."""
+    inputs = make_feature_inputs(tile_lens(), hq, hkv, 64, torch.float32, layout, tq=tq, seed=tq)
+    check_kernel(inputs, num_programs, ATOL[torch.float32])
+
+
+def test_rows_split_over_row_blocks():
+    """Tq = 16 with a group of 8: 128 rows per KV head, two row blocks (head units) of 64."""
+    inputs = make_feature_inputs([70, 0, 300], 16, 2, 64, torch.float16, "paged16", tq=MAX_QUERY_TOKENS, seed=2)
+    check_kernel(inputs, 4, ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("num_programs", [1, 4, 64])
+@pytest.mark.parametrize("window,tq", [(1, 1), (16, 1), (300, 1), (1, 3), (17, 4), (300, 2)])
+def test_sliding_window(window, tq, num_programs):
+    """Windows of 1 key, under a tile and over a tile, with left padding; the span the schedule
+    tiles starts mid-tile, and with Tq > 1 each row has its own window."""
+    lens = tile_lens()
+    inputs = make_feature_inputs(lens, 8, 2, 64, torch.float32, "paged16", tq=tq, window=window,
+                                 leftpad=[3 * (i % 3) for i in range(len(lens))], seed=window + tq)  # fmt: skip
+    check_kernel(inputs, num_programs, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_softcap(layout):
+    inputs = make_feature_inputs(tile_lens(), 8, 2, 64, torch.float32, layout, softcap=2.0, seed=4)
+    inputs["q"] *= 8  # large logits, so the cap bites
+    check_kernel(inputs, 4, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_programs", [1, 64])
+def test_sinks_with_empty_sequences_and_splits(num_programs):
+    """The sink joins each output's denominator once, after the merge; an empty sequence gives 0
+    and lse = the sink."""
+    inputs = make_feature_inputs(tile_lens(), 8, 2, 64, torch.float32, "contiguous", sinks=True, seed=6)
+    check_kernel(inputs, num_programs, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("per_head_scale", [False, True], ids=["tensor_scale", "head_scale"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache(cache_dtype, per_head_scale, layout):
+    inputs = make_feature_inputs(tile_lens(128), 8, 2, 128, torch.float16, layout, cache_dtype=cache_dtype,
+                                 per_head_scale=per_head_scale, seed=7)  # fmt: skip
+    check_kernel(inputs, 4, ATOL[torch.float16])
+
+
+def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
+    """sm_80's path (e4m3 read as uint8, converted by bit moves) gives bitwise the result of the
+    native conversion, checked by running both variants in the interpreter."""
+    inputs = make_feature_inputs([0, 9, 300], 8, 2, 64, torch.float16, "paged16", tq=2, cache_dtype=torch.float8_e4m3fn,
+                                 per_head_scale=True, seed=8)  # fmt: skip
+    # Keys over fp8's whole range, subnormals included.
+    inputs["k_cache"] = (inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1])[None, :, None, None]
+                         ).to(torch.float8_e4m3fn)  # fmt: skip
+    results = []
+    for arch in ("sm80", "interp"):
+        call, _ = _kernel_call(inputs, 4)
+        args = launch_args(call["q"], call["k_cache"], call["v_cache"], call["cache_seqlens"], None, call["block_table"],
+                           call["out"], call["lse"], call["workspace"], torch.zeros(16, dtype=torch.int32),
+                           call["softmax_scale"], 4, get_config(torch.device("cpu"), 64, torch.float16),
+                           call["k_scale"], call["v_scale"], arch=arch)  # fmt: skip
+        assert args["E4M3_BITS"] == (arch == "sm80")
+        decode_attention_fwd_kernel[(4,)](**args)
+        results.append((call["out"], call["lse"]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    ref_out, _ = decode_attention_ref(**inputs)
+    torch.testing.assert_close(results[0][0].double(), ref_out, atol=ATOL[torch.float16], rtol=0)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(40, torch.float32), (80, torch.float16), (96, torch.float16),
+                                            (160, torch.float32), (192, torch.float16)])  # fmt: skip
+def test_head_dims_padded_to_a_power_of_two(head_dim, dtype):
+    inputs = make_feature_inputs(tile_lens(head_dim), 8, 2, head_dim, dtype, "paged16", seed=head_dim)
+    check_kernel(inputs, 4, ATOL[dtype])
+
+
+@pytest.mark.parametrize("num_programs", [1, 4, 64])
+@pytest.mark.parametrize("layout", ["contiguous", "paged64"])
+def test_every_feature_together(layout, num_programs):
+    inputs = make_feature_inputs([0, 9, 129, 700], 8, 2, 96, torch.float16, layout, tq=4,
+                                 cache_dtype=torch.float8_e4m3fn, leftpad=[2, 0, 5, 1], softcap=10.0, window=40,
+                                 sinks=True, per_head_scale=True, seed=9)  # fmt: skip
+    check_kernel(inputs, num_programs, ATOL[torch.float16])
+
+
+def test_the_op_runs_every_feature_on_the_triton_backend():
+    """Through lean_tp.decode_attention: the same result as the torch backend, within rounding."""
+    inputs = make_feature_inputs([0, 33, 200], 8, 2, 80, torch.float16, "paged16", tq=3, cache_dtype=torch.float8_e5m2,
+                                 softcap=20.0, window=50, sinks=True, seed=12)  # fmt: skip
+    got = lean_tp.decode_attention(**inputs, return_lse=True, backend="triton")
+    want = lean_tp.decode_attention(**inputs, return_lse=True, backend="torch")
+    torch.testing.assert_close(got[0], want[0], atol=3e-3, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [4, 36, 264])
+def test_head_dim_rule(head_dim):
+    reason = kernel_support(torch.device("cpu"), head_dim, torch.float16)
+    assert reason.startswith(f"head_dim: expected a multiple of 8 up to 256 for the Triton backend, got head_dim={head_dim}")
+    inputs = make_feature_inputs([5], 4, 1, head_dim, torch.float16)
+    with pytest.raises(ValueError, match="head_dim: expected a multiple of 8 up to 256"):
+        lean_tp.decode_attention(**inputs, backend="triton")
