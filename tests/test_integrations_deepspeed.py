@@ -75,8 +75,9 @@ def test_tp2_decode_runs_on_the_lean_op_with_local_heads():
     proc = _torchrun(ROOT / "tests" / "ds_worker.py")
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
-        # 5 decode steps x 2 layers; each rank holds 4 of the 8 query heads (head_dim 16).
-        assert f"rank {rank}: attn lean, lean calls 10, q shapes [(2, 4, 16)]" in proc.stdout, proc.stdout
+        # 5 decode steps x 2 layers (the left-padded prefill falls back); each rank holds 4 of the 8
+        # query heads (head_dim 16), as q (B, 1, 4, 16).
+        assert f"rank {rank}: attn lean, lean calls 10, q shapes [(2, 1, 4, 16)]" in proc.stdout, proc.stdout
     assert set(glob.glob(SHM)) <= before
 
 
