@@ -38,6 +38,8 @@ def make_parser(model_names: list[str] | None = None, timeout_default: float | N
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attention", choices=("lean", "sdpa"), default="lean", help="decode attention")
+    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=timeout_default, help="seconds before a stuck collective fails the job")
     p.add_argument("--check", action="store_true", help="compare against the same model in one process")
@@ -63,6 +65,8 @@ def check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise ValueError(f"--gen: expected >= 1 tokens to generate, got {args.gen}")
         if args.timeout is not None and not args.timeout > 0:
             raise ValueError(f"--timeout: expected seconds > 0, got {args.timeout}")
+        if args.kv_dtype == "fp8" and DTYPE_NAMES.get(args.dtype) not in ("bfloat16", "float16"):
+            raise ValueError(f"--dtype: expected bf16 or fp16 with --kv-dtype fp8 (q in 16 bits), got {args.dtype}")
     except ValueError as exc:
         fail(p, str(exc))
 
@@ -86,7 +90,7 @@ from lean_tp.distributed import (  # noqa: E402
 )
 from lean_tp.distributed.env import DEFAULT_TIMEOUT_S  # noqa: E402
 from lean_tp.generate import Generation, decode_one, generate  # noqa: E402
-from lean_tp.model import CONFIGS, ModelArgs, Transformer, build_model  # noqa: E402
+from lean_tp.model import CONFIGS, FP8_KV_DTYPE, ModelArgs, Transformer, build_model  # noqa: E402
 from lean_tp.profiling import attention_fraction  # noqa: E402
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config  # noqa: E402
 from example_utils import make_prompts  # noqa: E402
@@ -95,6 +99,9 @@ DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 # (atol, rtol) on logits for --check. fp32: TP only reorders the row-parallel sums (~1e-6).
 # fp16/bf16: activations are rounded at every layer boundary, so a few ulps accumulate over layers.
 CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
+# --kv-dtype fp8 is checked against the same model with a cache in --dtype: e4m3 keeps 3 mantissa
+# bits, so each K/V value is off by up to 2^-4 relative, and the logits by more than rounding.
+FP8_CHECK_TOLERANCE = (0.25, 0.1)
 PROFILE_STEPS = 8
 PROGRESS_MIN_STEPS = 100
 
@@ -116,7 +123,7 @@ def model_config(args: argparse.Namespace) -> ModelArgs:
 
 
 def build(args: argparse.Namespace, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-          max_batch: int, capacity: int) -> Transformer:
+          max_batch: int, capacity: int, kv_dtype: str = "auto") -> Transformer:
     """Meta model -> shard for (rank, world) -> load this rank's weights -> caches."""
     model = build_model(model_config(args))
     apply_tp(model, rank, world)
@@ -124,7 +131,7 @@ def build(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         load_hf_checkpoint(model, args.checkpoint, device, dtype)
     else:
         init_random_weights(model, args.seed, device, dtype)
-    model.setup_caches(max_batch, capacity)
+    model.setup_caches(max_batch, capacity, FP8_KV_DTYPE if kv_dtype == "fp8" else None)
     model.set_attention(args.attention)
     return model.eval()
 
@@ -136,7 +143,7 @@ def compiled_step(device: torch.device):
 
 def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int]) -> tuple[Generation, float | None, list]:
     capacity = max(prompt_lens) + args.gen
-    model = build(args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity)
+    model = build(args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity, args.kv_dtype)
     grids = gather_objects(ctx, describe_grid(model))
     prompt = make_prompts(prompt_lens, model.args.vocab_size, args.seed, ctx.device)
     step = compiled_step(ctx.device) if args.compile else decode_one
@@ -151,11 +158,12 @@ def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_l
 
 
 def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int], result: Generation) -> tuple[bool, str]:
-    """Rerun in this process, unsharded and eager, teacher-forced with ``result``'s tokens."""
+    """Rerun in this process, unsharded and eager, teacher-forced with ``result``'s tokens (with a
+    cache in ``dtype``: an fp8 run is checked against the 16-bit cache, within FP8_CHECK_TOLERANCE)."""
     model = build(args, 0, 1, ctx.device, dtype, len(prompt_lens), max(prompt_lens) + args.gen)
     prompt = make_prompts(prompt_lens, model.args.vocab_size, args.seed, ctx.device)
     ref = generate(model, prompt, prompt_lens, args.gen, forced=result.tokens)
-    atol, rtol = CHECK_TOLERANCE[dtype]
+    atol, rtol = FP8_CHECK_TOLERANCE if args.kv_dtype == "fp8" else CHECK_TOLERANCE[dtype]
     tie = 2 * (atol + rtol * ref.logits.abs().max().item())
     differ = ref.tokens != result.tokens
     real = differ & (ref.margins > tie)
@@ -174,7 +182,7 @@ def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt
 def report(args, ctx, dtype, prompt_lens, result: Generation, share: float | None, grids: list) -> None:
     source = args.checkpoint or args.model
     print(f"lean_tp decode: {source}, world {ctx.world_size}, {ctx.device.type}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {args.attention}, compile {'on' if args.compile else 'off'}")
+          f"attention {args.attention}, kv cache {args.kv_dtype}, compile {'on' if args.compile else 'off'}")
     for rank, grid in enumerate(grids):
         print(f"  rank {rank}: {grid}")
     print(f"prefill: {result.prefill_s * 1e3:.2f} ms (batch {len(prompt_lens)}, prompt lengths {','.join(map(str, prompt_lens))})")

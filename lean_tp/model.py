@@ -126,26 +126,59 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+# fp8 caches (``--kv-dtype fp8``): e4m3 values with one scale per KV head, set from the prompt's
+# largest magnitude with this much headroom; later tokens beyond the range saturate.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_HEADROOM = 2.0
+
+
 class KVCache(nn.Module):
-    """Static cache, k and v (B, Hkv, S_max, D), written in place so CUDA graphs can replay steps."""
+    """Static cache, k and v (B, Hkv, S_max, D), written in place so CUDA graphs can replay steps.
+
+    With an fp8 ``dtype`` it stores ``x / scale`` and keeps k_scale, v_scale (Hkv,) float32, the
+    per-KV-head scales the decode op takes; they are set at prefill, on the device, without a sync.
+    """
 
     def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str) -> None:  # fmt: skip
         super().__init__()
         shape = (batch, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.fp8 = dtype == FP8_KV_DTYPE
+        scales = torch.ones(n_kv_heads, dtype=torch.float32, device=device) if self.fp8 else None
+        self.register_buffer("k_scale", scales, persistent=False)
+        self.register_buffer("v_scale", None if scales is None else scales.clone(), persistent=False)
+
+    def _store(self, x: torch.Tensor, scale: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+        """x (..., Hkv at dim ``head_dim``, ..., D) in the cache's dtype."""
+        if not self.fp8:
+            return x
+        shape = [1] * x.dim()
+        shape[head_dim] = -1
+        limit = torch.finfo(FP8_KV_DTYPE).max
+        return (x.float() / scale.view(shape)).clamp(-limit, limit).to(FP8_KV_DTYPE)
 
     def write_prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, Hkv, T, D) for positions 0..T-1."""
-        self.k[:, :, : k.shape[2]] = k
-        self.v[:, :, : v.shape[2]] = v
+        if self.fp8:
+            limit = torch.finfo(FP8_KV_DTYPE).max
+            for scale, x in ((self.k_scale, k), (self.v_scale, v)):
+                scale.copy_((x.detach().abs().amax(dim=(0, 2, 3)).float() * FP8_HEADROOM / limit).clamp_min(1e-8))
+        self.k[:, :, : k.shape[2]] = self._store(k, self.k_scale, 1)
+        self.v[:, :, : v.shape[2]] = self._store(v, self.v_scale, 1)
 
     def write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, D) for one token per sequence, at positions (B,)."""
         rows = torch.arange(k.shape[0], device=k.device)
-        self.k[rows, :, positions] = k
-        self.v[rows, :, positions] = v
+        self.k[rows, :, positions] = self._store(k, self.k_scale, 1)
+        self.v[rows, :, positions] = self._store(v, self.v_scale, 1)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as float32 values (fp8) or as stored (B, Hkv, S_max, D)."""
+        if not self.fp8:
+            return self.k, self.v
+        return self.k.float() * self.k_scale.view(1, -1, 1, 1), self.v.float() * self.v_scale.view(1, -1, 1, 1)
 
 
 class Attention(nn.Module):
@@ -181,9 +214,11 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
-        k_cache, v_cache = self.kv_cache.k, self.kv_cache.v
+        cache = self.kv_cache
         if self.impl == "lean":
-            return decode_attention(q, k_cache, v_cache, lengths, backend=self.backend)
+            return decode_attention(q, cache.k, cache.v, lengths, backend=self.backend, k_scale=cache.k_scale,
+                                    v_scale=cache.v_scale)  # fmt: skip
+        k_cache, v_cache = (x.to(q.dtype) for x in cache.dequantized())
         mask = torch.arange(k_cache.shape[2], device=q.device) < lengths[:, None]
         y = F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None],
                                            enable_gqa=True)
@@ -251,7 +286,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         """Allocate each layer's (max_batch, local Hkv, max_seq_len, head_dim) cache on the weights'
-        device; call after sharding, so each rank holds only its own KV heads."""
+        device; call after sharding, so each rank holds only its own KV heads. ``dtype``: the
+        weights' by default, or ``FP8_KV_DTYPE`` for an fp8 cache with per-KV-head scales."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"max_seq_len: expected <= the model's {self.args.max_seq_len}, got {max_seq_len}")
         weight = self.lm_head.weight

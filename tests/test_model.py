@@ -93,6 +93,29 @@ def test_decode_attention_impls_agree(impl, backend):
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl,backend", [("lean", "auto"), ("lean", "triton"), ("sdpa", "auto")])
+def test_fp8_kv_cache_tracks_the_16bit_cache(impl, backend):
+    """An e4m3 cache with per-KV-head scales (--kv-dtype fp8): each implementation reads the same
+    fp8 values, and the logits stay within examples/decode_tp.py's FP8_CHECK_TOLERANCE of a
+    16-bit cache's (fp16 here: the interpreter's bf16 arithmetic is wrong)."""
+    from lean_tp.model import FP8_KV_DTYPE
+
+    lens = [5, 64, 65]
+    model = build_model(SMALL_ARGS)
+    init_random_weights(model, 0, "cpu", torch.float16)  # the example's initialization
+    prompt = make_prompts(lens, SMALL_ARGS.vocab_size, 4, torch.device("cpu"))
+    model.setup_caches(len(lens), 80)
+    ref = generate(model, prompt, lens, 4)
+    model.setup_caches(len(lens), 80, FP8_KV_DTYPE)
+    model.set_attention(impl, backend)
+    out = generate(model, prompt, lens, 4, forced=ref.tokens)
+    cache = model.attention_modules()[0].kv_cache
+    assert cache.k.dtype == FP8_KV_DTYPE and cache.k_scale.shape == (SMALL_ARGS.n_kv_heads,)
+    assert (cache.k_scale != 1).all()  # set from the prompt at prefill
+    torch.testing.assert_close(out.logits.float(), ref.logits.float(), atol=0.25, rtol=0.1)
+    assert (out.logits.float() - ref.logits.float()).abs().max() > 0  # the cache really is fp8
+
+
 def test_compiled_decode_step_matches_eager_without_recompiles():
     """fullgraph=True: no graph break anywhere in the step; changing lengths must not recompile."""
     lens = [3, 20]
