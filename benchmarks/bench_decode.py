@@ -57,6 +57,13 @@ class Shape:
     hkv: int
     d: int = 128
     layout: str = "contiguous"  # the cache layout every peer is given
+    kv: str = "same"  # "same": the cache in the run's dtype; "fp8": float8_e4m3fn with scales
+    window: int | None = None  # sliding window, in keys
+
+    @property
+    def features(self) -> frozenset[str]:
+        """What a peer must take to run this shape (``Peer.features``)."""
+        return frozenset({"fp8"} if self.kv == "fp8" else set()) | frozenset({"window"} if self.window else set())
 
 
 def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
@@ -71,6 +78,8 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         return [Shape("context", str(n), (n,) * 2, 4, 2, 64) for n in (64, 300)] + [
             Shape("ragged", "0.3", ragged_lens(3, 200, 0.3), 4, 2, 64),
             Shape("gqa", "4", (150,) * 2, 8, 2, 64),
+            Shape("kv", "fp8", (150,) * 2, 8, 2, 64, kv="fp8"),
+            Shape("window", "32", (300,) * 2, 8, 2, 64, window=32),
         ]
     pick = (lambda full, few: few) if quick else (lambda full, few: full)
     contexts = pick([1 << k for k in range(10, 20)], [1024, 8192, 32768, 131072])  # 1k-512k
@@ -81,21 +90,35 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
                for r in pick([0.1, 0.2, 0.4, 0.6, 0.8, 1.0], [0.1, 0.5, 1.0])]
     shapes += [Shape("models", name, (8192,) * 8, hq, hkv) for name, (hq, hkv) in MODELS.items()]
     shapes += [Shape("gqa", str(g), (16384,) * 8, 8 * g, 8) for g in pick([1, 2, 4, 8, 16], [1, 4, 16])]
+    # fp8 against the 16-bit cache of the same shape (half the bytes), and windows over a long cache
+    # (a window should cost its own length, not the cache's).
+    shapes += [Shape("kv", kv, (32768,) * 8, 32, 8, kv=kv) for kv in ("same", "fp8")]
+    shapes += [Shape("window", str(w), (131072,) * 4, 32, 8, window=w)
+               for w in pick([None, 32768, 4096, 1024], [None, 4096])]  # fmt: skip
     return shapes
 
 
 def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     b, cap = len(shape.lens), max(shape.lens)
-    return dict(
+    cache_dtype = torch.float8_e4m3fn if shape.kv == "fp8" else dtype
+    s = dict(
         q=torch.randn(b, shape.hq, shape.d, device=device, dtype=dtype),
-        k_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype),
-        v_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype),
+        k_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype).to(cache_dtype),
+        v_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype).to(cache_dtype),
         cache_seqlens=torch.tensor(shape.lens, dtype=torch.int32, device=device),
     )
+    if shape.kv == "fp8":
+        s["k_scale"] = s["v_scale"] = torch.ones(1, device=device)
+    if shape.window:
+        s["window"] = shape.window
+    return s
 
 
 def moved_bytes(shape: Shape, dtype: torch.dtype) -> int:
-    return (2 * sum(shape.lens) * shape.hkv * shape.d + 2 * len(shape.lens) * shape.hq * shape.d) * dtype.itemsize
+    """Bytes a kernel must move: the K/V each query can see (a window's keys only), q and out."""
+    keys = sum(min(n, shape.window or n) for n in shape.lens)
+    kv_size = 1 if shape.kv == "fp8" else dtype.itemsize
+    return 2 * keys * shape.hkv * shape.d * kv_size + 2 * len(shape.lens) * shape.hq * shape.d * dtype.itemsize
 
 
 class Timer:
@@ -167,10 +190,14 @@ def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes:
 
 def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: list[str], timer: Timer,
                 copy_bw: float, l2_bytes: int) -> dict:
-    row = dict(sweep=shape.sweep, x=shape.x, dtype=str(dtype).removeprefix("torch."), batch=len(shape.lens),
+    row = dict(sweep=shape.sweep, x=shape.x, dtype=str(dtype).removeprefix("torch."), kv=shape.kv, window=shape.window or "",
+               batch=len(shape.lens),
                hq=shape.hq, hkv=shape.hkv, d=shape.d, layout=shape.layout, max_len=max(shape.lens),
                mean_len=sum(shape.lens) // len(shape.lens))
     notes, times = [], {}
+    if shape.kv == "fp8" and dtype == torch.float32:
+        row["notes"] = "skipped: fp8 caches take a 16-bit q"
+        return row
     sets = input_sets(shape, dtype, device, l2_bytes)
     if sets is None:
         row["notes"] = "skipped: inputs do not fit in GPU memory"
@@ -178,6 +205,9 @@ def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: l
     ref = PEERS["lean"].prepare(sets[0])().float()
     for name in peers:
         why = PEERS[name].unavailable(device)
+        lacking = shape.features - PEERS[name].features
+        if lacking:
+            why = f"not benchmarked with {', '.join(sorted(lacking))}"
         if why:
             notes.append(f"{name}: {why}")
             continue
@@ -238,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short sweep: under 8 minutes on one H100")
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes, torch backend: check the plumbing")
-    p.add_argument("--dtypes", nargs="+", choices=("fp16", "bf16"), help="default: bf16 with --quick, else both")
+    p.add_argument("--dtypes", nargs="+", choices=("fp16", "bf16"),
+                   help="default: bf16 with --quick, else both; fp32 with --dry (fp16 there runs the fp8 rows)")
     p.add_argument("--sweeps", nargs="+", help="only these sweeps (context heads batch ragged models gqa)")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     p.add_argument("--reps", type=int, default=60)
@@ -247,8 +278,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.dry and not torch.cuda.is_available():
         raise SystemExit("bench_decode: needs a CUDA device; use --dry on CPU")
     device = torch.device("cpu" if args.dry else "cuda")
-    names = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    dtypes = [torch.float32] if args.dry else [names[d] for d in (args.dtypes or (["bf16"] if args.quick else ["fp16", "bf16"]))]
+    names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    default = ["fp32"] if args.dry else ["bf16"] if args.quick else ["fp16", "bf16"]
+    dtypes = [names[d] for d in (args.dtypes or default)]
     peers = ["lean"] + [n for n in args.peers if n != "lean"]
     copy_bw = copy_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 32 << 20

@@ -29,6 +29,7 @@ class Peer:
     needs: str | None = None  # importable module the peer requires
     cuda_only: bool = False
     triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
+    features: frozenset[str] = frozenset()  # of "fp8", "window" (``Shape.features``): wired up here for this peer
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -143,7 +144,7 @@ def _flashinfer(s: Inputs):
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean, triton=True),
+        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window"})),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),

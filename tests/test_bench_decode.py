@@ -73,11 +73,13 @@ def test_ragged_lengths_hit_the_ratio():
 
 def test_quick_preset_covers_every_sweep():
     quick, full = bench_decode.sweeps(quick=True, dry=False), bench_decode.sweeps(quick=False, dry=False)
-    names = {"context", "heads", "batch", "ragged", "models", "gqa"}
+    names = {"context", "heads", "batch", "ragged", "models", "gqa", "kv", "window"}
     assert {s.sweep for s in quick} == names == {s.sweep for s in full}
     assert len(quick) < len(full)
     assert max(max(s.lens) for s in full) == 1 << 19  # 512k where memory allows
     assert {s.x for s in full if s.sweep == "models"} == {"llama-3-8b", "llama-3-70b", "mistral-7b", "phi-3-medium"}
+    assert {s.features for s in full if s.sweep in ("kv", "window")} == {frozenset(), frozenset({"fp8"}),
+                                                                          frozenset({"window"})}
 
 
 def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
