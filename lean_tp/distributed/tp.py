@@ -22,7 +22,7 @@ from torch import nn
 
 from lean_tp.model import ModelArgs, Transformer
 from lean_tp.ops.decode_attention.checks import uses_triton
-from lean_tp.ops.decode_attention.launcher import grid_size
+from lean_tp.ops.decode_attention.launcher import KernelFeatures, grid_size
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,9 @@ def describe_grid(model: Transformer) -> str:
         return f"{attn.impl} attention on {device} (no Lean grid)"
     if not uses_triton(device, attn.head_dim, weight.dtype, attn.backend):
         return f"torch backend on {device} (no kernel grid)"
-    programs = grid_size(device, weight.dtype, attn.head_dim, attn.n_heads // attn.n_kv_heads)
+    fp8 = attn.kv_cache.k.dtype if attn.kv_cache is not None and attn.kv_cache.fp8 else None
+    programs = grid_size(device, weight.dtype, attn.head_dim, attn.n_heads // attn.n_kv_heads,
+                         features=KernelFeatures(fp8=fp8))  # fmt: skip
     if device.type != "cuda":
         return f"Triton interpreter on {device}: {programs} programs"
     props = torch.cuda.get_device_properties(device)

@@ -80,7 +80,8 @@ def _features(query: torch.Tensor, kwargs: dict) -> dict:
     }
 
 
-def _unsupported(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
+def _unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+                 kwargs: dict) -> str | None:  # fmt: skip
     """Why this call cannot run on the decode op, or None. Reads only shapes, dtypes and arguments."""
     if query.shape[2] > MAX_QUERY_TOKENS:
         return PREFILL
@@ -95,7 +96,7 @@ def _unsupported(query: torch.Tensor, attention_mask: torch.Tensor | None, dropo
         return "position_bias is not supported by the decode op"
     if query.is_cuda:  # "auto" runs the Triton kernel on CUDA: ask whether it takes this call
         f = _features(query, kwargs)
-        names = call_features(query.transpose(1, 2), query, f["softcap"], f["window"], f["sinks"])
+        names = call_features(query.transpose(1, 2), key, f["softcap"], f["window"], f["sinks"])
         return kernel_support(query.device, query.shape[-1], query.dtype, names)
     return None
 
@@ -151,7 +152,7 @@ def lean_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function. query (B, Hq, q_len, D); key, value (B, Hkv, kv_len, D), the
     layer's whole cache; attention_mask (B, 1, q_len, kv_len) bool or None. Returns (B, q_len, Hq, D)."""
-    reason = _unsupported(query, attention_mask, dropout, kwargs)
+    reason = _unsupported(query, key, attention_mask, dropout, kwargs)
     if reason is None:
         features = _features(query, kwargs)
         bounds = _decode_bounds(attention_mask, query, key.shape[2], features["window"])
