@@ -181,3 +181,15 @@ def test_head_dim_rule(head_dim):
     inputs = make_feature_inputs([5], 4, 1, head_dim, torch.float16)
     with pytest.raises(ValueError, match="head_dim: expected a multiple of 8 up to 256"):
         lean_tp.decode_attention(**inputs, backend="triton")
+
+
+def test_opcheck_on_the_triton_backend():
+    """Schema, registration and fake-tensor checks with the kernel running every feature but fp8
+    (opcheck's schema test multiplies inputs, which CPU fp8 tensors do not support). The AOT
+    dispatch test traces the op, and an interpreted kernel cannot be traced; tests/gpu compiles it."""
+    inputs = make_feature_inputs([0, 9, 70], 8, 2, 64, torch.float32, "paged16", tq=3, leftpad=[2, 0, 4],
+                                 softcap=10.0, window=20, sinks=True, seed=13)  # fmt: skip
+    args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
+            inputs["cache_leftpad"], 0.125, "triton", None, None, inputs["softcap"], inputs["window"], inputs["sinks"])  # fmt: skip
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.lean_tp.decode_attention.default, args, test_utils=utils)

@@ -67,3 +67,18 @@ def test_graph_replay_with_every_feature():
         torch.cuda.synchronize()
         ref_out, _ = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
         torch.testing.assert_close(out.cpu().double(), ref_out, atol=ATOL[torch.bfloat16], rtol=0)
+
+
+def test_compile_fullgraph_with_every_feature_cuda():
+    """Inductor sees the Triton kernel with every feature on, and new lengths do not recompile."""
+    inputs = _cuda(make_feature_inputs([3000, 0, 33], 16, 4, 128, torch.bfloat16, "paged16", tq=2,
+                                       cache_dtype=torch.float8_e5m2, softcap=10.0, window=256, sinks=True, seed=5))  # fmt: skip
+
+    def step(**kw):
+        return lean_tp.decode_attention(**kw) * 2
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(**inputs), step(**inputs), atol=0, rtol=0)
+    inputs["cache_seqlens"] = torch.tensor([5, 2000, 1], dtype=torch.int32, device="cuda")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(**inputs), step(**inputs), atol=0, rtol=0)
