@@ -129,6 +129,7 @@ class RMSNorm(nn.Module):
 # fp8 caches (``--kv-dtype fp8``): e4m3 values with one scale per KV head, set from the prompt's
 # largest magnitude with this much headroom; later tokens beyond the range saturate.
 FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
 FP8_HEADROOM = 2.0
 
 
@@ -150,29 +151,26 @@ class KVCache(nn.Module):
         self.register_buffer("k_scale", scales, persistent=False)
         self.register_buffer("v_scale", None if scales is None else scales.clone(), persistent=False)
 
-    def _store(self, x: torch.Tensor, scale: torch.Tensor | None, head_dim: int) -> torch.Tensor:
-        """x (..., Hkv at dim ``head_dim``, ..., D) in the cache's dtype."""
+    def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """x (B, Hkv, ...) in the cache's dtype."""
         if not self.fp8:
             return x
-        shape = [1] * x.dim()
-        shape[head_dim] = -1
-        limit = torch.finfo(FP8_KV_DTYPE).max
-        return (x.float() / scale.view(shape)).clamp(-limit, limit).to(FP8_KV_DTYPE)
+        scale = scale.view(1, -1, *([1] * (x.dim() - 2)))
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
     def write_prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, Hkv, T, D) for positions 0..T-1."""
         if self.fp8:
-            limit = torch.finfo(FP8_KV_DTYPE).max
             for scale, x in ((self.k_scale, k), (self.v_scale, v)):
-                scale.copy_((x.detach().abs().amax(dim=(0, 2, 3)).float() * FP8_HEADROOM / limit).clamp_min(1e-8))
-        self.k[:, :, : k.shape[2]] = self._store(k, self.k_scale, 1)
-        self.v[:, :, : v.shape[2]] = self._store(v, self.v_scale, 1)
+                scale.copy_((x.detach().abs().amax(dim=(0, 2, 3)).float() * FP8_HEADROOM / FP8_MAX).clamp_min(1e-8))
+        self.k[:, :, : k.shape[2]] = self._store(k, self.k_scale)
+        self.v[:, :, : v.shape[2]] = self._store(v, self.v_scale)
 
     def write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, D) for one token per sequence, at positions (B,)."""
         rows = torch.arange(k.shape[0], device=k.device)
-        self.k[rows, :, positions] = self._store(k, self.k_scale, 1)
-        self.v[rows, :, positions] = self._store(v, self.v_scale, 1)
+        self.k[rows, :, positions] = self._store(k, self.k_scale)
+        self.v[rows, :, positions] = self._store(v, self.v_scale)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v as float32 values (fp8) or as stored (B, Hkv, S_max, D)."""

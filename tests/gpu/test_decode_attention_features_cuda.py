@@ -6,7 +6,7 @@ Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them on a GP
 
 import pytest
 import torch
-from test_decode_attention_features import make_feature_inputs
+from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
@@ -34,11 +34,7 @@ def _cuda(inputs: dict) -> dict:
 
 def _check(inputs: dict, atol: float) -> None:
     out, lse = lean_tp.decode_attention(**_cuda(inputs), return_lse=True)
-    ref_out, ref_lse = decode_attention_ref(**inputs)
-    assert not out.isnan().any() and not lse.isnan().any()
-    torch.testing.assert_close(out.cpu().double(), ref_out, atol=atol, rtol=0)
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    assert_matches_feature_ref(out, lse, inputs, atol, lse_atol=1e-3, lse_rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])

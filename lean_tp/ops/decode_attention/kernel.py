@@ -21,10 +21,12 @@ from lean_tp.ops.decode_attention.schedule import (
     _program_of_tile,
     _program_start,
     _scan_batch,
+    _span,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
+E4M3_BITS_SCALE = tl.constexpr(256.0)  # see _upcast
 
 
 @triton.jit
@@ -51,10 +53,20 @@ def _load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
+    """The running max to exponentiate against: m, or 0 for rows that have seen no key (m = -inf,
+    possible only with MAY_BE_EMPTY), so that exp2(-inf - ref) = 0 instead of NaN."""
+    if MAY_BE_EMPTY:
+        return tl.where(b_m == float("-inf"), 0.0, b_m)
+    else:
+        return b_m
+
+
+@triton.jit
 def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     """K/V values in q's dtype. With E4M3_BITS, x holds float8_e4m3fn values as uint8 (Triton has
     no e4m3 type before sm_89): the 7 low bits moved to an fp16's bits 7..13 give value * 2^-8
-    exactly, subnormals included; the launcher folds the 2^8 into the scales."""
+    exactly, subnormals included; the caller multiplies the scales by E4M3_BITS_SCALE = 2^8."""
     if E4M3_BITS:
         bits = x.to(tl.uint16)
         x = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
@@ -104,10 +116,7 @@ def _attend(
             m_s = m_n[None, :]
         b_s = tl.where(m_s, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        if ROW_MASK:  # a row that has seen no key yet keeps m = -inf; exponentiate against 0
-            b_m_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        else:
-            b_m_ref = b_m_new
+        b_m_ref = _ref_max(b_m_new, ROW_MASK)
         b_alpha = tl.exp2(b_m - b_m_ref)
         b_p = tl.exp2(b_s - b_m_ref[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
@@ -200,10 +209,7 @@ def _merge_partials(
         b_lp = tl.where(p == pid, b_l, b_lp)
         b_accp = tl.where(p == pid, b_acc, b_accp)
         m_new = tl.maximum(m_acc, b_mp)
-        if ROW_MASK:  # rows that no partial so far has seen a key of
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_ref = m_new
+        m_ref = _ref_max(m_new, ROW_MASK)
         b_a = tl.exp2(m_acc - m_ref)
         b_c = tl.exp2(b_mp - m_ref)
         l_acc = l_acc * b_a + b_lp * b_c
@@ -321,7 +327,7 @@ def decode_attention_fwd_kernel(
     of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
     turns q.k into the log2-domain score (see ``_attend`` for SOFTCAP); with HAS_SCALES (fp8) it
     is multiplied by the KV head's k_scale and the partial by its v_scale (E4M3_BITS: see
-    ``_upcast``; the scales then carry a factor 2^8). STRIDE_ALIGN divides
+    ``_upcast``). STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
@@ -348,10 +354,7 @@ def decode_attention_fwd_kernel(
     t = t0
     slot = 0  # workspace slot of this segment's partial: 0 for the program's first segment, else 1
     while t < t1:
-        if HAS_WINDOW:  # constexpr: without a window span == seq_len, and ptxas keeps fewer registers live
-            span = tl.minimum(seq_len, max_span)
-        else:
-            span = seq_len
+        span = _span(seq_len, max_span, HAS_WINDOW)
         n_tiles = _cdiv(span, TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
@@ -359,6 +362,8 @@ def decode_attention_fwd_kernel(
         b_lo, b_hi = _row_bounds(hu, span, window, GROUP, TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
         if HAS_SCALES:
             k_scale = tl.load(k_scale_ptr + h_kv * stride_ks)
+            if E4M3_BITS:
+                k_scale = k_scale * E4M3_BITS_SCALE
         else:
             k_scale = 1.0
         b_acc, b_m, b_l = _attend(
@@ -370,7 +375,7 @@ def decode_attention_fwd_kernel(
         if HAS_SCALES:
             v_scale = tl.load(v_scale_ptr + h_kv * stride_vs)
             if E4M3_BITS:
-                v_scale = v_scale * 256.0
+                v_scale = v_scale * E4M3_BITS_SCALE
             b_acc = b_acc * v_scale
         nb, nhu, n_seq_len = _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, seg_end < t1)
         b_q = _load_q(q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qt, stride_qh,

@@ -336,7 +336,6 @@ def launch_args(
     arch = arch or arch_of(q.device)
     constexprs = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size, cache_leftpad is not None,
                                    features, arch)  # fmt: skip
-    kv_scale = 256.0 if constexprs["E4M3_BITS"] else 1.0  # see the kernel's _upcast
     if constexprs["E4M3_BITS"]:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
@@ -352,7 +351,7 @@ def launch_args(
         "k_scale_ptr": k_scale if k_scale is not None else placeholder,
         "v_scale_ptr": v_scale if v_scale is not None else placeholder,
         "sinks_ptr": sinks if sinks is not None else placeholder,
-        "qk_scale": kv_scale * (2 * log2_scale / softcap if softcap is not None else log2_scale),
+        "qk_scale": 2 * log2_scale / softcap if softcap is not None else log2_scale,
         "cap_log2": softcap * math.log2(math.e) if softcap is not None else 0.0,
         "B": q.shape[0], "HKV": layout.num_kv_heads, "num_programs": num_programs,
         "max_span": window + q.shape[1] - 1 if window is not None else NO_SPAN_LIMIT,

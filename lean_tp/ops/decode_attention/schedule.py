@@ -24,10 +24,20 @@ def _cdiv(a, b):
 
 
 @triton.jit
+def _span(seq_len, max_span, LIMITED: tl.constexpr):
+    """Keys of a sequence that are tiled: its last min(len, max_span). LIMITED=False (a constexpr:
+    the kernel without a window) skips the minimum, which would otherwise cost registers."""
+    if LIMITED:
+        return tl.minimum(seq_len, max_span)
+    else:
+        return seq_len
+
+
+@triton.jit
 def _tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B]; 0 past the batch): HU * cdiv(span, TILE_N)."""
     o_b = b0 + tl.arange(0, BLOCK_B)
-    return _cdiv(tl.minimum(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), max_span), TILE_N) * HU
+    return _cdiv(_span(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), max_span, True), TILE_N) * HU
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def _locate(t, b_cum, seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_
         b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum_next, 0), axis=0))
         running = tl.max(b_cum_next, axis=0)
     seq_len = tl.load(seqlens_ptr + b, mask=b < B, other=0)
-    n_tiles = tl.maximum(_cdiv(tl.minimum(seq_len, max_span), TILE_N), 1)  # t >= total: an idle program
+    n_tiles = tl.maximum(_cdiv(_span(seq_len, max_span, True), TILE_N), 1)  # t >= total: an idle program
     return b, (t - b_start) // n_tiles, (t - b_start) % n_tiles, seq_len
 
 
@@ -134,7 +144,7 @@ def lean_schedule_kernel(
     t = t0
     n = 0
     while t < t1:
-        n_tiles = _cdiv(tl.minimum(seq_len, max_span), TILE_N)
+        n_tiles = _cdiv(_span(seq_len, max_span, True), TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
         n_contrib = (
