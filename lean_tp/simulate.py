@@ -1,18 +1,24 @@
-"""Schedule simulator: how evenly LeanAttention and fixed-split decode kernels load a GPU's SMs.
+"""Decode simulator: LeanAttention's schedule and merge tree against fixed-split kernels and their
+combine kernels, in modelled time on an A100 or an H100.
 
-    python -m lean_tp.simulate --sms 108 132 148 --batch 4 --heads 32 --kv-heads 8 --lens 65536
-    python -m lean_tp.simulate --sms 132 --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
+    python -m lean_tp.simulate --gpu A100 H100 --batch 4 --heads 32 --kv-heads 8 --lens 65536
+    python -m lean_tp.simulate --model llama-3-70b --tp 8 --batch 1 --lens 32768    # one rank of TP=8
+    python -m lean_tp.simulate --tp-sweep --json sweep.json                         # every preset, B 1-64, 1k-1M
+    python -m lean_tp.simulate --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
 
-Work is counted in K/V tokens read, the cost of memory-bound decode. An SM's time is the work of
-everything placed on it, so ``efficiency = mean / max work per SM`` is the fraction of the GPU's
-bandwidth a schedule can use, and the ratio of two schedules' maxima bounds the speedup between them.
-Merges of split outputs are not counted, for either method.
-
-- **lean**: the kernel's own schedule (``lean_schedule`` runs the kernel's schedule code), a grid of
-  ``SMs x programs per SM``, program p on SM ``p mod SMs``.
+- **lean**: the kernel's own schedule and merge tree (``lean_schedule``/``merge_plan`` run the
+  kernel's schedule code), a grid of ``SMs x programs per SM``, program p on SM ``p mod SMs``.
 - **fa2**: FlashAttention-2's ``num_splits_heuristic``, the FlashDecoding rule, with its splits sized
-  from the cache capacity; CTAs go, in launch order, to the least-loaded SM (ideal dynamic dispatch).
-- **flex**: FlexAttention's decode rule, ``max(SMs // (B * Hkv) * 2, 1)`` splits of the capacity.
+  from the cache capacity; CTAs go, in launch order, to the least-loaded SM (ideal dynamic
+  dispatch), and a split output costs a combine kernel.
+- **flex**: FlexAttention's decode rule, ``max(SMs // (B * Hkv) * 2, 1)`` splits of the capacity,
+  then its reduction kernel.
+
+Time model (``GPUS`` holds every constant with its source): an SM streams K/V at
+``min(L2 port, bytes in flight / HBM latency)``, all SMs together at most the measured copy
+bandwidth; a merge costs L2 round trips (one per atomic, one per wave of partial loads) plus its
+partial bytes over the merging SM's L2 port; a second kernel costs a launch gap. Every method
+gets the same memory model, so the comparison isolates schedules and merges.
 
 On CPU the schedule code runs in the Triton interpreter; this module re-executes itself with
 ``TRITON_INTERPRET=1`` when needed.
@@ -21,7 +27,9 @@ On CPU the schedule code runs in the Triton interpreter; this module re-executes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
+import json
 import math
 import os
 import sys
@@ -29,17 +37,56 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule
+from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule, merge_plan
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import config_for
 from lean_tp.ops.utils import interpreted, map_in_processes
 
-# Tuning-table architecture of each simulated GPU. B200 (148 SMs) has no table row of its own yet,
-# so it uses the Hopper one.
-ARCH_BY_SMS = {108: "sm80", 132: "sm90", 148: "sm90"}
-GPU_NAMES = {108: "A100", 132: "H100/H200", 148: "B200"}
 METHODS = ("lean", "fa2", "flex")
 ELEM_DTYPES = {2: torch.float16, 4: torch.float32}
+
+
+@dataclass(frozen=True)
+class GPUModel:
+    """The constants of the time model for one GPU (sources in ``MODEL_SOURCES``)."""
+
+    name: str
+    sms: int
+    arch: str  # tuning-table key
+    clock_ghz: float  # SM clock under load
+    hbm_tbps: float  # device-to-device copy bandwidth, TB/s (bytes read + written)
+    hbm_latency_us: float  # loaded HBM latency, what Little's law needs in flight
+    l2_latency_cycles: int  # L2 hit and atomic round trip
+    l2_bytes_per_clk_per_sm: int  # what one SM can pull from L2
+    launch_gap_us: float  # a dependent second kernel's start after the first ends (CUDA graph)
+    combine_ctas_per_sm: int = 4  # resident CTAs of a combine kernel
+
+    @property
+    def l2_latency_us(self) -> float:
+        return self.l2_latency_cycles / (self.clock_ghz * 1e3)
+
+    @property
+    def l2_port_gbps(self) -> float:
+        return self.l2_bytes_per_clk_per_sm * self.clock_ghz
+
+
+GPUS = {
+    "A100": GPUModel("A100", 108, "sm80", 1.41, 1.5, 0.6, 200, 47, 1.0),
+    "H100": GPUModel("H100", 132, "sm90", 1.755, 3.0, 0.7, 260, 64, 1.0),
+}
+MODEL_SOURCES = {
+    "sms": "NVIDIA A100 and H100 (SXM) whitepapers: 108 and 132 SMs",
+    "clock_ghz": "Chips and Cheese, 'Nvidia's H100: Funny L2, and Tons of Bandwidth' (2023): 1755 MHz H100 boost, "
+                 "A100 held at 1410 MHz under load",
+    "hbm_tbps": "H100: ~3.0 TB/s device-to-device copy measured on this project's H100 machine (BRIEF.md); "
+                "A100: ~1.5 TB/s as measured on A100-SXM4 parts (peak 1.55-2.0 TB/s)",
+    "hbm_latency_us": "loaded latency for Little's law, 0.6-0.8 us on H100 (BRIEF.md); A100 assumed 0.6 us",
+    "l2_latency_cycles": "L2 hit ~260 cycles on H100 (BRIEF.md, Chips and Cheese 2023); ~200 cycles on A100 "
+                         "(Chips and Cheese 2023, Jia et al., 'Dissecting the Ampere GPU architecture', GTC 2021)",
+    "l2_bytes_per_clk_per_sm": "A100 whitepaper: 5120 B/clk L2 read bandwidth over 108 SMs = 47; H100 assumed 64 "
+                               "(unmeasured)",
+    "launch_gap_us": "assumed 1 us between dependent kernels inside a CUDA graph (unmeasured here)",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,18 +113,45 @@ class Problem:
     def kv_len(self) -> int:
         return self.capacity or max(self.lens)
 
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes a ragged-aware kernel must read."""
+        return 2 * self.n_kv_heads * sum(self.lens) * self.head_dim * self.elem_size
+
     def describe(self) -> str:
         lens = f"len {self.lens[0]}" if len(set(self.lens)) == 1 else f"lens {min(self.lens)}-{max(self.lens)} (mean {sum(self.lens) // len(self.lens)})"
         return f"B={len(self.lens)} Hq={self.n_heads} Hkv={self.n_kv_heads} D={self.head_dim} {lens}"
 
 
+# Full (unsharded) attention head counts of the tensor-parallel presets: (Hq, Hkv, D).
+MODEL_PRESETS = {
+    "llama-3-8b": (32, 8, 128),
+    "llama-3-70b": (64, 8, 128),
+    "qwen2.5-72b": (64, 8, 128),
+    "mixtral-8x7b": (32, 8, 128),
+}
+
+
+def rank_heads(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(Hq, Hkv) of one rank of a ``tp``-way head split; KV heads are replicated when the ranks
+    outnumber them (as ``lean_tp.distributed`` does)."""
+    if tp < 1 or n_heads % tp:
+        raise ValueError(f"--tp: expected a divisor of the {n_heads} query heads, got {tp}")
+    return n_heads // tp, max(1, n_kv_heads // tp)
+
+
 @dataclass
 class Schedule:
+    """One method's plan for one problem, with its modelled time."""
+
     method: str
     sms: int
     units: int  # programs (lean) or CTAs (fixed split) that do work
     splits: int  # lean: outputs split across programs; fixed split: splits per output
-    sm_work: list[int]
+    sm_work: list[int]  # K/V tokens per SM
+    time_us: float = 0.0  # modelled kernel time (+ the combine kernel for fixed splits)
+    merge_us: float = 0.0  # what merging adds: lean's tree past its last K/V byte, or the combine kernel
+    chain: int = 0  # lean: the longest serial merge chain, in partials
     bars: list[tuple[int, int, int, int]] = field(default_factory=list)  # (sm, start, tokens, output)
 
     @property
@@ -120,88 +194,135 @@ def flex_splits(problem: Problem, sms: int) -> int:
     return max(sms // max(len(problem.lens) * problem.n_kv_heads, 1) * 2, 1)
 
 
-def fixed_split_schedule(method: str, problem: Problem, sms: int, splits: int, block_n: int) -> Schedule:
+def lean_config(problem: Problem, gpu: GPUModel):
+    return config_for(gpu.arch, problem.head_dim, ELEM_DTYPES[problem.elem_size])
+
+
+def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
+    """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
+    most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing the
+    copy bandwidth in proportion. Every method gets this model."""
+    config = lean_config(problem, gpu)
+    in_flight = max(1, config.num_stages - 1) * config.block_n * 2 * problem.head_dim * problem.elem_size
+    want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
+    share = min(1.0, gpu.hbm_tbps * 1e6 / max(sum(want), 1e-9))
+    return [w * share for w in want]
+
+
+def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel) -> float:
+    """One level of the tree: the arrival atomic, one L2 round trip per wave of partial loads, and
+    the partials through the merger's L2 port."""
+    return gpu.l2_latency_us * (1 + math.ceil(members / wave)) + members * partial_bytes / (gpu.l2_port_gbps * 1e3)
+
+
+def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
+    """The kernel's stream-K schedule and merge tree on ``gpu``, in modelled time."""
+    config = lean_config(problem, gpu)
+    per_sm = programs_per_sm or config.max_programs_per_sm
+    dtype = ELEM_DTYPES[problem.elem_size]
+    cx = kernel_constexprs(config, problem.head_dim, problem.n_heads // problem.n_kv_heads, dtype, None)
+    head_units, tile = problem.n_kv_heads * cx["NUM_GC"], config.tile_n
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    programs = lean_schedule(torch.tensor(problem.lens, dtype=torch.int32, device=device), head_units, tile,
+                             gpu.sms * per_sm)  # fmt: skip
+    sms = gpu.sms
+    n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
+    rates = _stream_rates(n_on_sm, problem, gpu, per_sm)
+    bytes_per_token = 2 * problem.head_dim * problem.elem_size
+    work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
+    for p, segments in enumerate(programs):
+        sm, t = p % sms, gpu.hbm_latency_us
+        for s in segments:
+            tokens = min(problem.lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile
+            bars.append((sm, clock[sm], tokens, s.b * problem.n_kv_heads + s.head_unit // cx["NUM_GC"]))
+            clock[sm] += tokens
+            work[sm] += tokens
+            t += tokens * bytes_per_token / (rates[sm] / n_on_sm[sm])
+            seg_end[(p, s.slot)] = t
+    kv_end = max(seg_end.values(), default=0.0)
+    # A partial's real rows (masked padding rows move no bytes): fp32 acc, m and l.
+    partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
+    end, chain = kv_end, 0
+    plan = merge_plan(programs)
+    for groups in plan.values():
+        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), cx["WAVE"], partial, gpu) for g in groups]
+        finish = max(done)
+        if len(groups) > 1:
+            finish += gpu.l2_latency_us + _merge_level_us(len(groups), cx["WAVE"], partial, gpu)
+        end = max(end, finish)
+        chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
+    return Schedule("lean", sms, len(programs), len(plan), work, end, end - kv_end, chain, bars)
+
+
+def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: int, block_n: int,
+                         programs_per_sm: int | None = None) -> Schedule:  # fmt: skip
     """CTAs (b, KV head, split) over equal ranges of the capacity, each reading only its sequence's
-    tokens in that range, dispatched in launch order to the least-loaded SM."""
+    tokens in that range, dispatched in launch order to the least-loaded SM; with splits > 1 a
+    combine kernel follows (a launch gap, two dependent L2 reads, the partials over every SM's port)."""
+    sms = gpu.sms
     per_split = math.ceil(math.ceil(problem.kv_len / block_n) / splits) * block_n
     load = [(0, sm) for sm in range(sms)]
-    work, bars, units = [0] * sms, [], 0
+    work, bars, ctas = [0] * sms, [], [0] * sms
     for b, length in enumerate(problem.lens):
         for h in range(problem.n_kv_heads):
             for s in range(splits):
                 tokens = max(0, min(length, (s + 1) * per_split) - s * per_split)
                 if tokens == 0:
-                    continue  # an empty split exits at once; its cost is ignored, as lean's merges are
+                    continue  # an empty split exits at once
                 start, sm = heapq.heappop(load)
                 heapq.heappush(load, (start + tokens, sm))
                 work[sm] += tokens
+                ctas[sm] += 1
                 bars.append((sm, start, tokens, b * problem.n_kv_heads + h))
-                units += 1
-    return Schedule(method, sms, units, splits, work, bars)
+    per_sm = programs_per_sm or lean_config(problem, gpu).max_programs_per_sm
+    rates = _stream_rates(ctas, problem, gpu, per_sm)
+    bytes_per_token = 2 * problem.head_dim * problem.elem_size
+    kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
+    combine = 0.0
+    if splits > 1:
+        partials = len(problem.lens) * problem.n_heads * splits * (problem.head_dim + 1) * 4
+        combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + partials / (sms * gpu.l2_port_gbps * 1e3)
+    return Schedule(method, sms, sum(ctas), splits, work, kernel + combine, combine, 0, bars)
 
 
-def lean_config(problem: Problem, sms: int):
-    return config_for(ARCH_BY_SMS.get(sms, "sm90"), problem.head_dim, ELEM_DTYPES[problem.elem_size])
-
-
-def lean_sim_schedule(problem: Problem, sms: int, programs_per_sm: int | None = None) -> Schedule:
-    """The kernel's stream-K schedule on ``sms`` SMs, from the kernel's own schedule code."""
-    config = lean_config(problem, sms)
-    grid = sms * (programs_per_sm or config.max_programs_per_sm)
-    dtype = ELEM_DTYPES[problem.elem_size]
-    num_gc = kernel_constexprs(config, problem.head_dim, problem.n_heads // problem.n_kv_heads, dtype, None)["NUM_GC"]
-    head_units, tile = problem.n_kv_heads * num_gc, config.tile_n
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    programs = lean_schedule(torch.tensor(problem.lens, dtype=torch.int32, device=device), head_units, tile, grid)
-    work, clock, bars = [0] * sms, [0] * sms, []
-    split_outputs = set()
-    for p, segments in enumerate(programs):
-        sm = p % sms
-        for b, hu, first, n_tiles, contributors in segments:
-            tokens = min(problem.lens[b], (first + n_tiles) * tile) - first * tile
-            bars.append((sm, clock[sm], tokens, b * problem.n_kv_heads + hu // num_gc))
-            clock[sm] += tokens
-            work[sm] += tokens
-            if contributors > 1:
-                split_outputs.add((b, hu))
-    return Schedule("lean", sms, len(programs), len(split_outputs), work, bars)
-
-
-def simulate(problem: Problem, sms: int, programs_per_sm: int | None = None) -> dict[str, Schedule]:
-    """Lean, FA2 and Flex schedules of one problem on ``sms`` SMs."""
-    fa2, block_n = fa2_splits(problem, sms)
+def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
+    """Lean, FA2 and Flex plans of one problem on ``gpu``."""
+    fa2, block_n = fa2_splits(problem, gpu.sms)
     return {
-        "lean": lean_sim_schedule(problem, sms, programs_per_sm),
-        "fa2": fixed_split_schedule("fa2", problem, sms, fa2, block_n),
-        "flex": fixed_split_schedule("flex", problem, sms, flex_splits(problem, sms), 64),
+        "lean": lean_sim_schedule(problem, gpu, programs_per_sm),
+        "fa2": fixed_split_schedule("fa2", problem, gpu, fa2, block_n, programs_per_sm),
+        "flex": fixed_split_schedule("flex", problem, gpu, flex_splits(problem, gpu.sms), 64, programs_per_sm),
     }
 
 
-def table_rows(problem: Problem, sms_list: list[int], programs_per_sm: int | None = None) -> list[dict]:
-    rows = []
-    for sms in sms_list:
-        result = simulate(problem, sms, programs_per_sm)
-        lean = result["lean"]
-        row = {"gpu": f"{GPU_NAMES.get(sms, '?')} ({sms} SMs)", "problem": problem.describe()}
-        for name, sched in result.items():
-            row[f"{name}_eff"] = sched.efficiency
-            row[f"{name}_splits"] = sched.splits
-            if name != "lean":
-                row[f"speedup_vs_{name}"] = sched.makespan / lean.makespan if lean.makespan else 1.0
-        rows.append(row)
-    return rows
+def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict:
+    """One table row: every method's modelled time and merge, lean's chain and bandwidth share."""
+    lean = result["lean"]
+    row = {"gpu": gpu.name, "problem": problem.describe(), "kv_mb": problem.kv_bytes / 1e6,
+           "lean_programs": lean.units, "lean_chain": lean.chain,
+           "lean_bw": problem.kv_bytes / (lean.time_us * 1e6 * gpu.hbm_tbps) if lean.time_us else 0.0}  # fmt: skip
+    for method, sched in result.items():
+        row |= {f"{method}_us": sched.time_us, f"{method}_merge_us": sched.merge_us,
+                f"{method}_eff": sched.efficiency, f"{method}_splits": sched.splits}  # fmt: skip
+        if method != "lean":
+            row[f"speedup_vs_{method}"] = sched.time_us / lean.time_us if lean.time_us else 1.0
+    return row
 
 
-def table_rows_parallel(problems: list[Problem], sms_list: list[int], programs_per_sm: int | None = None,
+def table_rows(problem: Problem, gpus: list[str], programs_per_sm: int | None = None) -> list[dict]:
+    return [row_of(problem, GPUS[name], simulate(problem, GPUS[name], programs_per_sm)) for name in gpus]
+
+
+def table_rows_parallel(problems: list[Problem], gpus: list[str], programs_per_sm: int | None = None,
                         workers: int | None = None, progress: bool = True) -> list[dict]:
-    """``table_rows`` of every problem on every SM count, in that order, each distinct one computed once.
+    """``table_rows`` of every problem on every GPU, in that order, each distinct one computed once.
 
     Off the GPU the schedule kernel runs in the interpreter, one program at a time on one core, so
-    the (problem, SM count) runs are spread over one process per core.
+    the (problem, GPU) runs are spread over one process per core.
     """
-    jobs = [(prob, sms) for prob in problems for sms in sms_list]
+    jobs = [(prob, gpu) for prob in problems for gpu in gpus]
     unique = list(dict.fromkeys(jobs))
-    calls = [(prob, [sms], programs_per_sm) for prob, sms in unique]
+    calls = [(prob, [gpu], programs_per_sm) for prob, gpu in unique]
     if torch.cuda.is_available():
         from tqdm import tqdm
 
@@ -213,26 +334,28 @@ def table_rows_parallel(problems: list[Problem], sms_list: list[int], programs_p
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| GPU | problem | lean eff. | FA2 splits | FA2 eff. | Flex splits | Flex eff. | bound vs FA2 | bound vs Flex |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| GPU | problem | lean us | lean merge us | chain | programs | lean BW | FA2 splits | FA2 us | FA2 combine us "
+            "| Flex splits | Flex us | vs FA2 | vs Flex |")  # fmt: skip
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         lines.append(
-            f"| {r['gpu']} | {r['problem']} | {r['lean_eff']:.3f} | {r['fa2_splits']} | {r['fa2_eff']:.3f} | "
-            f"{r['flex_splits']} | {r['flex_eff']:.3f} | {r['speedup_vs_fa2']:.2f}x | {r['speedup_vs_flex']:.2f}x |"
+            f"| {r['gpu']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_chain']} "
+            f"| {r['lean_programs']} | {r['lean_bw']:.2f} | {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} "
+            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {r['speedup_vs_fa2']:.2f}x | {r['speedup_vs_flex']:.2f}x |"
         )
     return "\n".join(lines)
 
 
-def plot_gantt(problem: Problem, sms: int, path: str, programs_per_sm: int | None = None) -> None:
-    """Lean next to FA2's fixed split: one row per SM, one bar per piece of work, colored by output."""
+def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], path: str) -> None:
+    """Lean next to FA2's fixed split (``result`` of ``simulate``): one row per SM, one bar per
+    piece of work, colored by output."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = simulate(problem, sms, programs_per_sm)
     horizon = max(result["lean"].makespan, result["fa2"].makespan)
-    fig, axes = plt.subplots(1, 2, figsize=(14, max(4, sms * 0.06)), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, max(4, gpu.sms * 0.06)), sharey=True)
     cmap = plt.get_cmap("tab20")
     for ax, name in zip(axes, ("lean", "fa2")):
         sched = result[name]
@@ -240,16 +363,44 @@ def plot_gantt(problem: Problem, sms: int, path: str, programs_per_sm: int | Non
             ax.barh(sm, tokens, left=start, height=0.9, color=cmap(output % 20), edgecolor="white", linewidth=0.3)
         ax.axvline(sched.makespan, color="red", linewidth=1.5, label="finish (makespan)")
         title = "LeanAttention (stream-K)" if name == "lean" else f"FlashDecoding / FA2 fixed split ({sched.splits} splits)"
-        ax.set_title(f"{title}\nefficiency {sched.efficiency:.2f}, finish {sched.makespan} tokens")
+        ax.set_title(f"{title}\nefficiency {sched.efficiency:.2f}, modelled {sched.time_us:.1f} us")
         ax.set_xlim(0, horizon * 1.02)
-        ax.set_xlabel("time (K/V tokens read per SM)")
-    axes[0].set_ylabel(f"SM ({GPU_NAMES.get(sms, '')}, {sms} SMs)")
+        ax.set_xlabel("K/V tokens read per SM")
+    axes[0].set_ylabel(f"SM ({gpu.name}, {gpu.sms} SMs)")
     axes[0].invert_yaxis()
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{problem.describe()}\nbar: one piece of work, its length the K/V tokens it reads; colour: the "
                  "output (sequence, KV head) it belongs to, so one colour on several SMs is a split output")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(rows: list[dict], path: str) -> None:
+    """Modelled FA2 time over lean time against context, one line per (preset shape, batch), per GPU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = sorted({r["gpu"] for r in rows})
+    fig, axes = plt.subplots(1, len(gpus), figsize=(7 * len(gpus), 4.5), sharey=True, squeeze=False)
+    for ax, gpu in zip(axes[0], gpus):
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["gpu"] == gpu:
+                label = f"{r['model']} B={r['batch']}"
+                lines.setdefault(label, []).append((r["context"], r["speedup_vs_fa2"]))
+        for label, points in sorted(lines.items()):
+            ax.plot(*zip(*sorted(points)), marker="o", markersize=3, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"{gpu}: one rank of TP={rows[0]['tp']}, modelled, merges counted")
+    axes[0][0].set_ylabel("FA2 (FlashDecoding) time / lean time")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -262,6 +413,20 @@ def paper_problems() -> list[Problem]:
                  Problem((8192,) * 16, 8, 1),  # Llama-3-70B on 8 GPUs: 8 query heads, 1 KV head per rank
                  Problem((4096,) * 4, 256 // 8, 256 // 8)]  # 256 heads x batch 4 over 8 GPUs
     return problems
+
+
+SWEEP_BATCHES = (1, 4, 16, 64)
+SWEEP_CONTEXTS = tuple(1024 * 4**i for i in range(6))  # 1k .. 1M
+
+
+def tp_sweep_problems(tp: int) -> list[tuple[str, int, int, Problem]]:
+    """(preset, batch, context, one rank's problem) for every preset, batch and context; presets
+    whose ranks have the same shape share one problem (computed once)."""
+    out = []
+    for name, (hq, hkv, d) in MODEL_PRESETS.items():
+        rank_hq, rank_hkv = rank_heads(hq, hkv, tp)
+        out += [(name, b, n, Problem((n,) * b, rank_hq, rank_hkv, d)) for b in SWEEP_BATCHES for n in SWEEP_CONTEXTS]
+    return out
 
 
 def _ensure_schedule_backend(argv: list[str]) -> None:
@@ -278,34 +443,85 @@ def parse_lens(text: str, batch: int) -> tuple[int, ...]:
         lens = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"--lens: expected an integer or a comma list of integers, got {text!r}") from None
+    if min(lens) < 0:
+        raise ValueError(f"--lens: expected lengths >= 0, got {text!r}")
     return lens * batch if len(lens) == 1 else lens
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sms", type=int, nargs="+", default=[108, 132, 148], help="SM counts (A100 108, H100 132, B200 148)")
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lean_tp.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpu", nargs="+", default=list(GPUS), choices=list(GPUS), help="GPUs to model (A100 H100)")
     p.add_argument("--batch", type=int, default=4, help="sequences, when --lens is one length")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32, help="query heads (with --tp: of the whole model)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (with --tp: of the whole model)")
+    p.add_argument("--model", choices=list(MODEL_PRESETS), help="head counts and head_dim of a preset model")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: simulate one rank's heads")
     p.add_argument("--lens", default="16384", help="one length for every sequence, or a comma list (ragged)")
     p.add_argument("--capacity", type=int, default=0, help="KV cache capacity fixed-split kernels size splits from")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--programs-per-sm", type=int, help="lean grid = SMs x this (default: the tuning table's cap)")
-    p.add_argument("--paper", action="store_true", help="print the table for the paper's shapes instead")
-    p.add_argument("--plot", help="write a Gantt chart (lean vs FA2, first --sms) to this PNG")
+    p.add_argument("--paper", action="store_true", help="the paper's shapes instead of one problem")
+    p.add_argument("--tp-sweep", action="store_true", help="every preset at --tp (default 8), batch 1-64, context 1k-1M")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout, no table)")
+    p.add_argument("--plot", metavar="PNG", help="a Gantt chart (one problem, first --gpu) or the sweep's speedups")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every value checked before any work: one line naming the flag, exit status 2."""
+    for flag in ("batch", "tp", "head_dim"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    if args.programs_per_sm is not None and args.programs_per_sm < 1:
+        p.error(f"--programs-per-sm: expected an integer >= 1, got {args.programs_per_sm}")
+    for path in (args.plot, None if args.json in (None, "-") else args.json):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"--{'plot' if path == args.plot else 'json'}: expected a path in an existing directory, got {path!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = _parser()
     args = p.parse_args(argv)
+    _check_args(p, args)
+    if args.tp_sweep and args.tp == 1:
+        args.tp = 8
+    try:
+        if args.model:
+            args.heads, args.kv_heads, args.head_dim = MODEL_PRESETS[args.model]
+        heads, kv_heads = rank_heads(args.heads, args.kv_heads, args.tp)
+        problem = Problem(parse_lens(args.lens, args.batch), heads, kv_heads, args.head_dim, args.capacity)
+    except ValueError as e:
+        p.error(str(e))
     _ensure_schedule_backend(argv)
-    if args.paper:
-        print(format_table(table_rows_parallel(paper_problems(), args.sms, args.programs_per_sm)))
-        return 0
-    print(f"simulating on {', '.join(map(str, args.sms))} SMs (the schedule kernel runs in the Triton interpreter "
-          "on CPU: ~10 s per GPU) ...", file=sys.stderr, flush=True)
-    problem = Problem(parse_lens(args.lens, args.batch), args.heads, args.kv_heads, args.head_dim, args.capacity)
-    print(format_table(table_rows(problem, args.sms, args.programs_per_sm)))
+    if args.tp_sweep:
+        cases = tp_sweep_problems(args.tp)
+        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [{"model": c[0], "tp": args.tp, "batch": c[1], "context": c[2], **r}
+                for c, r in zip((c for c in cases for _ in args.gpu), rows)]  # fmt: skip
+    elif args.paper:
+        rows = table_rows_parallel(paper_problems(), args.gpu, args.programs_per_sm)
+    else:
+        print(f"simulating on {', '.join(args.gpu)} (the schedule kernel runs in the Triton interpreter on CPU: "
+              "~10 s per GPU) ...", file=sys.stderr, flush=True)  # fmt: skip
+        results = {name: simulate(problem, GPUS[name], args.programs_per_sm) for name in args.gpu}
+        rows = [row_of(problem, GPUS[name], result) for name, result in results.items()]
+    if args.json:
+        text = json.dumps({"model": {g: dataclasses.asdict(GPUS[g]) for g in args.gpu}, "sources": MODEL_SOURCES,
+                           "rows": rows}, indent=1)  # fmt: skip
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(format_table(rows))
     if args.plot:
-        plot_gantt(problem, args.sms[0], args.plot, args.programs_per_sm)
-        print(f"wrote {args.plot}")
+        if args.tp_sweep:
+            plot_sweep(rows, args.plot)
+        else:
+            plot_gantt(problem, GPUS[args.gpu[0]], results[args.gpu[0]], args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,13 @@ from helpers import LAYOUTS, assert_matches_ref, make_inputs
 import lean_tp
 from lean_tp.ops.decode_attention import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import alloc_workspace, decode_attention_fwd, grid_size, kernel_constexprs
+from lean_tp.ops.decode_attention.launcher import (
+    alloc_workspace,
+    counters_size,
+    decode_attention_fwd,
+    grid_size,
+    kernel_constexprs,
+)
 from lean_tp.ops.decode_attention.tuning import DecodeConfig, get_config
 from lean_tp.ops.utils import interpreted
 
@@ -117,7 +123,7 @@ def test_decode_attention_triton_counters_reset_and_deterministic():
     """The kernel leaves its counters at zero, so a reused buffer gives identical results."""
     config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: many split outputs")
     inputs = make_inputs([300, 77, 129], 8, 2, 64, torch.float32, "contiguous", seed=5)
-    counters = torch.zeros(3 * 2, dtype=torch.int32)
+    counters = torch.zeros(counters_size(5), dtype=torch.int32)
     first = run_kernel(inputs, num_programs=5, config=config, counters=counters)
     assert (counters == 0).all()
     second = run_kernel(inputs, num_programs=5, config=config, counters=counters)

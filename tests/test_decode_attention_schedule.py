@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lean_tp.ops.decode_attention import lean_schedule, merge_partials
+from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
-from lean_tp.ops.decode_attention.tuning import MIN_TILES_PER_PROGRAM
+from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN, MIN_TILES_PER_PROGRAM
 from lean_tp.ops.utils import interpreted
 
 needs_kernel = pytest.mark.skipif(
@@ -19,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @needs_kernel
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 600), min_size=1, max_size=12),
     head_units=st.integers(1, 6),
@@ -35,30 +36,66 @@ def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, t
     programs = lean_schedule(seqlens, head_units, tile_n, num_programs, max_segments=128, **span)
     tiles_per_seq = [math.ceil(min(n, max_span or n) / tile_n) for n in lens]
     total = head_units * sum(tiles_per_seq)
-    expected_active = max(1, min(num_programs, total // MIN_TILES_PER_PROGRAM))
-    assert len(programs) == expected_active
+    # The cost rule: >= MIN_TILES per program, and few enough programs that no output has more
+    # than MAX_CONTRIBUTORS.
+    per = max(MIN_TILES_PER_PROGRAM, math.ceil((max(tiles_per_seq) - 1) / (MAX_CONTRIBUTORS - 1)))
+    assert len(programs) == max(1, min(num_programs, total // per))
 
     covered = {}
     for p, segments in enumerate(programs):
-        for b, hu, first, n, _ in segments:
-            assert 0 <= hu < head_units and n >= 1 and first + n <= tiles_per_seq[b]
-            for tile in range(first, first + n):
-                assert (b, hu, tile) not in covered, f"tile {(b, hu, tile)} covered twice"
-                covered[(b, hu, tile)] = p
+        for s in segments:
+            assert 0 <= s.head_unit < head_units and s.n_tiles >= 1 and s.first_tile + s.n_tiles <= tiles_per_seq[s.b]
+            for tile in range(s.first_tile, s.first_tile + s.n_tiles):
+                assert (s.b, s.head_unit, tile) not in covered, f"tile {(s.b, s.head_unit, tile)} covered twice"
+                covered[(s.b, s.head_unit, tile)] = p
     assert len(covered) == total  # with no duplicates, this means every tile exactly once
 
-    loads = [sum(n for *_, n, _ in segs) for segs in programs]
+    loads = [sum(s.n_tiles for s in segs) for segs in programs]
     assert max(loads) - min(loads) <= 1
     if total >= MIN_TILES_PER_PROGRAM:
         assert min(loads) >= MIN_TILES_PER_PROGRAM
     # Each output's contributor count is the number of programs holding one of its tiles, and
     # programs keep the linear (sequence, head unit, tile) order, so contributors are contiguous.
-    for segments in programs:
-        for b, hu, *_, contributors in segments:
-            owners = {p for (bb, hh, _), p in covered.items() if (bb, hh) == (b, hu)}
-            assert contributors == len(owners) == max(owners) - min(owners) + 1
+    for p, segments in enumerate(programs):
+        for i, s in enumerate(segments):
+            owners = {q for (bb, hh, _), q in covered.items() if (bb, hh) == (s.b, s.head_unit)}
+            assert s.contributors == len(owners) == max(owners) - min(owners) + 1 <= MAX_CONTRIBUTORS
+            assert s.index == p - min(owners) and s.slot == int(i > 0)
     order = [covered[key] for key in sorted(covered)]
     assert order == sorted(order)
+    check_merge_plan(programs)
+
+
+def check_merge_plan(programs) -> None:
+    """Every partial of a split output is merged exactly once: each contributor in one group, groups
+    of <= MERGE_FANIN consecutive programs in program order, and a serial chain (the largest group
+    plus the second level's groups) within 2 x MERGE_FANIN."""
+    plan = merge_plan(programs)
+    split = {(s.b, s.head_unit): s.contributors for segs in programs for s in segs if s.contributors > 1}
+    assert set(plan) == set(split)
+    for out, groups in plan.items():
+        members = [p for group in groups for p, _ in group]
+        assert len(members) == len(set(members)) == split[out]
+        assert members == list(range(members[0], members[0] + split[out]))
+        assert all(1 <= len(group) <= MERGE_FANIN for group in groups)
+        assert len(groups) == math.ceil(split[out] / MERGE_FANIN)
+        assert max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0) <= 2 * MERGE_FANIN
+
+
+@needs_kernel
+@settings(max_examples=4, deadline=None)
+@given(
+    tiles=st.integers(1, 3000),
+    head_units=st.integers(1, 3),
+    num_programs=st.sampled_from([64, 132, 396]),
+)
+def test_merge_plan_bounds_the_chain_on_gpu_sized_grids(tiles, head_units, num_programs):
+    """Long single sequences on full-size grids (the tensor-parallel shape: one or two KV heads per
+    rank): no output is shared by more than MAX_CONTRIBUTORS programs, and the tree bounds the chain."""
+    seqlens = torch.tensor([tiles * 16 - 3], dtype=torch.int32, device=DEVICE)
+    programs = lean_schedule(seqlens, head_units, 16, num_programs)
+    check_merge_plan(programs)
+    assert max(s.contributors for segs in programs for s in segs) <= MAX_CONTRIBUTORS
 
 
 @settings(max_examples=200, deadline=None)
@@ -100,6 +137,6 @@ def test_schedule_makes_room_for_many_segments():
     seqlens = torch.ones(300, dtype=torch.int32, device=DEVICE)
     programs = lean_schedule(seqlens, 1, 16, 2)
     assert [len(segments) for segments in programs] == [150, 150]
-    assert sorted(b for segments in programs for b, *_ in segments) == list(range(300))
+    assert sorted(s.b for segments in programs for s in segments) == list(range(300))
     with pytest.raises(ValueError, match="max_segments: expected at least 150"):
         lean_schedule(seqlens, 1, 16, 2, max_segments=64)

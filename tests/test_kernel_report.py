@@ -157,3 +157,26 @@ def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
     """
     # Loops: 0x20-0x50 (HMMA), 0x60-0x70 (one FFMA), 0x10-0x80 (outer, holds both), 0xa0 (the trap).
     assert kv_loop_of_sass(sass) == (4, 1)
+
+
+def test_merge_loop_is_the_innermost_loop_with_l2_coherent_loads():
+    from lean_tp.ops.kernel_report import merge_loop_of_sass
+
+    sass = """
+        /*0000*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
+        /*0010*/              @!P1 BRA 0x0 ;
+        /*0020*/                   LDG.E.128.STRONG.GPU R4, desc[UR4][R2.64] ;
+        /*0030*/                   LDG.E.STRONG.GPU R5, desc[UR4][R6.64] ;
+        /*0040*/                   FFMA R7, R7, R8, R9 ;
+        /*0050*/               @P2 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+    """
+    assert merge_loop_of_sass(sass) == (4, 2)
+    assert merge_loop_of_sass(sass.replace("STRONG.GPU", "CONSTANT")) == (0, 0)
+
+
+def test_every_kernel_merges_in_waves_of_l2_loads(stats):
+    """The merge loop exists in every compiled kernel, loads its partials through L2 (``.cg``), a
+    wave of ``merge_wave`` partials per wait."""
+    for s in stats:
+        assert s.merge_wave >= 1 and s.merge_loads_per_wave >= 1 and s.merge_sass_per_wave > 0, s

@@ -1,26 +1,36 @@
-"""The schedule simulator: split rules, conservation of work, and the paper's qualitative claims
-for A100 (108 SMs), H100/H200 (132) and B200 (148)."""
+"""The decode simulator: split rules, conservation of work, merges counted for every method, the
+tensor-parallel presets, and the command line. Each (problem, GPU) is simulated once per session
+(the schedule code runs in the interpreter on CPU: seconds per call)."""
 
+import functools
+import json
 import math
+import subprocess
+import sys
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN
 from lean_tp.simulate import (
+    GPUS,
+    MODEL_PRESETS,
     Problem,
     fa2_num_splits,
     fa2_splits,
     flex_splits,
-    lean_config,
     main,
-    paper_problems,
-    simulate,
+    rank_heads,
     table_rows,
     table_rows_parallel,
 )
+from lean_tp.simulate import simulate as _simulate
 
-SMS = [108, 132, 148]
+H100 = GPUS["H100"]
+
+
+@functools.lru_cache(maxsize=None)
+def simulate(problem: Problem, gpu_name: str = "H100"):
+    return _simulate(problem, GPUS[gpu_name])
 
 
 def test_fa2_heuristic_examples():
@@ -44,65 +54,49 @@ def test_flex_splits():
     assert flex_splits(Problem((10,) * 40, 32, 8), 132) == 1
 
 
-@pytest.mark.parametrize("sms", SMS)
-def test_every_method_reads_every_token_once(sms):
+def test_every_method_reads_every_token_once_and_counts_its_merge():
     problem = Problem((0, 1, 127, 128, 129, 5000, 70000), 32, 8)
-    for sched in simulate(problem, sms).values():
+    result = simulate(problem)
+    for sched in result.values():
         assert sum(sched.sm_work) == problem.n_kv_heads * sum(problem.lens), sched.method
-        assert len(sched.sm_work) == sms
+        assert len(sched.sm_work) == H100.sms
+        # Never faster than reading the bytes at copy bandwidth.
+        assert sched.time_us >= problem.kv_bytes / (H100.hbm_tbps * 1e6)
+    lean, fa2 = result["lean"], result["fa2"]
+    assert lean.splits > 0 and lean.merge_us > 0 and 2 <= lean.chain <= 2 * MERGE_FANIN
+    assert fa2.splits > 1 and fa2.merge_us >= H100.launch_gap_us  # the combine kernel's launch
 
 
-@pytest.mark.parametrize("sms", SMS)
-def test_fixed_split_drops_just_above_a_multiple_of_the_sms(sms):
-    """One sequence per SM pair fills the GPU exactly; one more (batch x heads = 2 x SMs + 1) makes
-    fixed-split kernels run a third, nearly empty wave, while Lean stays balanced."""
-    full, over = Problem((16384,), 2 * sms, 2 * sms), Problem((16384,), 2 * sms + 1, 2 * sms + 1)
-    assert simulate(full, sms)["fa2"].efficiency == pytest.approx(1.0)
-    result = simulate(over, sms)
+def test_fixed_split_drops_just_above_a_multiple_of_the_sms():
+    """batch x heads = 2 x SMs + 1: fixed-split kernels keep one split and run a third, nearly
+    empty wave, while Lean stays balanced, and no merge is needed."""
+    over = Problem((16384,), 2 * H100.sms + 1, 2 * H100.sms + 1)
+    result = simulate(over)
     assert result["fa2"].splits == 1 and result["fa2"].efficiency < 0.7
-    assert result["lean"].efficiency >= 0.99
-    assert result["fa2"].makespan / result["lean"].makespan > 1.45
+    assert result["lean"].efficiency >= 0.99 and result["lean"].merge_us < 0.1 * result["lean"].time_us
+    assert result["fa2"].time_us / result["lean"].time_us > 1.2
 
 
-def test_paper_example_256_heads_batch_4_on_8_a100s():
-    """256 heads x batch 4 split over 8 GPUs: 32 heads per A100. Both fixed-split rules leave SMs idle."""
-    result = simulate(Problem((16384,) * 4, 32, 32), 108)
-    assert result["lean"].efficiency >= 0.99
-    assert result["fa2"].efficiency < 0.9 and result["flex"].efficiency < 0.6
+def test_lean_beats_fixed_split_on_a_ragged_gqa_batch():
+    result = simulate(Problem((65536, 4096, 1024, 30000, 500, 12000, 64000, 2000), 32, 8))
+    assert result["lean"].time_us < min(result["fa2"].time_us, result["flex"].time_us)
 
 
-@settings(max_examples=8, deadline=None)
-@given(
-    sms=st.sampled_from(SMS),
-    batch=st.integers(1, 6),
-    kv_heads=st.sampled_from([1, 2, 8]),
-    group=st.sampled_from([1, 4, 8]),
-    tiles=st.lists(st.integers(2, 300), min_size=6, max_size=6),
-)
-def test_lean_balance_bound(sms, batch, kv_heads, group, tiles):
-    """With the full grid busy and b = floor(tiles / programs), every program holds b or b + 1 tiles,
-    so efficiency >= b / (b + 1) (counting whole tiles); at b >= 10 that is >= 0.95. (The +-1 tile
-    granularity is why 2 tiles per program alone cannot guarantee 0.95: 2 vs 3 tiles is 0.8.)"""
-    problem = Problem(tuple(t * 128 for t in tiles[:batch]), kv_heads * group, kv_heads)
-    config = lean_config(problem, sms)
-    total = kv_heads * sum(tiles[:batch])
-    grid = sms * config.max_programs_per_sm
-    lean = simulate(problem, sms)["lean"]
-    if total < 2 * grid:
-        assert lean.units == max(total // 2, 1)  # the grid shrank so each program has >= 2 tiles
-        return
-    base = total // grid
-    assert lean.efficiency >= base / (base + 1) - 1e-9
-    if base >= 10:
-        assert lean.efficiency >= 0.95
+def test_tensor_parallel_rank_keeps_the_merge_chain_bounded():
+    """Llama-3-70B on 8 ranks, B=1, 64k: one KV head per rank, the output split over the cost
+    rule's programs, merged in two levels of <= MERGE_FANIN partials."""
+    hq, hkv = rank_heads(*MODEL_PRESETS["llama-3-70b"][:2], 8)
+    assert (hq, hkv) == (8, 1)
+    lean = simulate(Problem((65536,), hq, hkv))["lean"]
+    assert lean.splits == 1 and 2 * MERGE_FANIN >= lean.chain > MERGE_FANIN
+    assert MERGE_FANIN < lean.units <= MAX_CONTRIBUTORS
+    assert 0 < lean.merge_us < 0.2 * lean.time_us
 
 
-@pytest.mark.parametrize("sms", SMS)
-def test_lean_beats_or_ties_fixed_split_on_the_paper_shapes(sms):
-    problems = paper_problems()
-    for problem in (problems[0], problems[3], problems[6]):  # 1k and 64k context, one sequence of 256k
-        result = simulate(problem, sms)
-        assert result["lean"].makespan <= min(result["fa2"].makespan, result["flex"].makespan) * 1.01, problem
+def test_rank_heads_replicates_kv_heads_and_rejects_bad_tp():
+    assert rank_heads(32, 8, 16) == (2, 1)
+    with pytest.raises(ValueError, match="--tp: expected a divisor of the 64 query heads, got 3"):
+        rank_heads(64, 8, 3)
 
 
 def test_problem_validation():
@@ -114,18 +108,45 @@ def test_problem_validation():
         Problem((100,), 8, 8, capacity=50)
 
 
-def test_cli_table_and_gantt(tmp_path, capsys):
-    png = tmp_path / "gantt.png"
-    assert main(["--sms", *map(str, SMS), "--heads", "32", "--kv-heads", "32", "--lens", "9000,300,4000,12000",
-                 "--plot", str(png)]) == 0
+def test_cli_tp_preset_json_and_gantt(tmp_path, capsys):
+    png, out_json = tmp_path / "gantt.png", tmp_path / "rows.json"
+    assert main(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "8", "--batch", "2", "--lens", "3000,900",
+                 "--programs-per-sm", "1", "--json", str(out_json), "--plot", str(png)]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert out.count("SMs) | B=4 Hq=32 Hkv=32") == 3 and "bound vs FA2" in out
+    assert "| H100 | B=2 Hq=4 Hkv=1 D=128" in out and "lean merge us" in out
+    data = json.loads(out_json.read_text())
+    assert data["model"]["H100"]["sms"] == 132 and set(data["sources"]) <= set(data["model"]["H100"])
+    (row,) = data["rows"]
+    assert math.isfinite(row["speedup_vs_fa2"]) and row["lean_chain"] <= 2 * MERGE_FANIN
     assert png.stat().st_size > 10_000
-    assert math.isfinite(float(out.split("|")[-2].strip().rstrip("x")))
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tp", "3", "--heads", "64"], "--tp: expected a divisor of the 64 query heads, got 3"),
+        (["--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+        (["--lens", "100,-5"], "--lens: expected lengths >= 0"),
+        (["--programs-per-sm", "0"], "--programs-per-sm: expected an integer >= 1, got 0"),
+        (["--plot", "/nonexistent/x.png"], "--plot: expected a path in an existing directory"),
+        (["--gpu", "B300"], "--gpu: invalid choice"),
+    ],
+)
+def test_cli_rejects_bad_values_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_error_is_one_line_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "lean_tp.simulate", "--batch", "-1"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--batch: expected an integer >= 1, got -1" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_parallel_rows_match_sequential_rows_in_order():
     problems = [Problem((300, 40), 4, 2, 64), Problem((700,), 2, 2, 64), Problem((300, 40), 4, 2, 64)]
-    got = table_rows_parallel(problems, [12, 16], workers=2, progress=False)
-    want = [row for prob in problems for row in table_rows(prob, [12, 16])]
-    assert got == want and len(got) == 6
+    got = table_rows_parallel(problems, ["A100"], programs_per_sm=1, workers=2, progress=False)
+    want = [row for prob in problems for row in table_rows(prob, ["A100"], programs_per_sm=1)]
+    assert got == want and len(got) == 3

@@ -20,7 +20,10 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
   ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none);
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
   ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
-  ``FFMA`` for fp32's "ieee" dots).
+  ``FFMA`` for fp32's "ieee" dots);
+- ``merge_wave``: partials the merge loads per wait (``WAVE``), ``merge_sass_per_wave`` and
+  ``merge_loads_per_wave``: SASS instructions and L2 (``.cg``) loads of one iteration of the merge
+  loop, which merges one wave; SASS per contributor is their ratio to ``merge_wave``.
 
 No GPU is needed: ``ptxas`` and ``cuobjdump`` come with Triton.
 """
@@ -77,6 +80,9 @@ class KernelStats:
     wait_group: int
     sass_per_iter: int
     loop_spills: int
+    merge_wave: int  # partials loaded per wait in the merge (one wave)
+    merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
+    merge_loads_per_wave: int  # L2 loads (.cg) issued per wave, before their first use
 
 
 def _cuobjdump() -> str:
@@ -100,20 +106,43 @@ def _resources(cubin: bytes) -> tuple[int, int, int]:
     return int(regs), int(stack), int(shared)
 
 
-def kv_loop_of_sass(text: str) -> tuple[int, int]:
-    """(instructions, LDL/STL) of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
-    (a backward branch with no other loop inside) holding the most HMMA/HGMMA/FFMA."""
+def _sass_loops(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """(address, opcode) of every instruction, and the innermost loops (backward branches with no
+    other loop inside) as (first, last) addresses, of ``cuobjdump -sass`` output."""
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)]
     loops = [(int(target, 16), int(addr, 16)) for addr, target in re.findall(r"/\*([0-9a-f]+)\*/[^;]*?\bBRA\b[^;]*?0x([0-9a-f]+)\s*;", text)
              if int(target, 16) < int(addr, 16)]  # fmt: skip
-    innermost = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    return code, [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
 
-    def macs(loop: tuple[int, int]) -> int:
-        return sum(op.split(".")[0] in ("HMMA", "HGMMA", "FFMA") for a, op in code if loop[0] <= a <= loop[1])
 
-    lo, hi = max(innermost, key=macs, default=(0, -1))
+def kv_loop_of_sass(text: str) -> tuple[int, int]:
+    """(instructions, LDL/STL) of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
+    holding the most tensor-core multiply-accumulates (HMMA/HGMMA), or the most FFMA when no loop
+    has any (fp32's "ieee" dots). The merge's loop has FFMA but no HMMA."""
+    code, innermost = _sass_loops(text)
+
+    def count(loop: tuple[int, int], ops: tuple[str, ...]) -> int:
+        return sum(op.split(".")[0] in ops for a, op in code if loop[0] <= a <= loop[1])
+
+    ops = ("HMMA", "HGMMA") if any(count(loop, ("HMMA", "HGMMA")) for loop in innermost) else ("FFMA",)
+    lo, hi = max(innermost, key=lambda loop: count(loop, ops), default=(0, -1))
     body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
     return len(body), sum(op in ("LDL", "STL") for op in body)
+
+
+def merge_loop_of_sass(text: str) -> tuple[int, int]:
+    """(instructions, partial loads) of one iteration of the merge's loop: the innermost loop with
+    the most L2-coherent loads (``ld.global.cg``, ``LDG.E*.STRONG.GPU`` in SASS), one wave of
+    partials per iteration; (0, 0) when there is none."""
+    code, innermost = _sass_loops(text)
+
+    def strong(loop: tuple[int, int]) -> int:
+        return sum(op.startswith("LDG") and op.endswith("STRONG.GPU") for a, op in code if loop[0] <= a <= loop[1])
+
+    best = max(innermost, key=strong, default=None)
+    if best is None or not strong(best):
+        return 0, 0
+    return sum(best[0] <= a <= best[1] for a, _ in code), strong(best)
 
 
 def _kv_load_bytes(ptx: str) -> int:
@@ -150,12 +179,13 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     regs, stack, static_shared = _resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + static_shared
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
+    sass = _dump(kernel.asm["cubin"], "-sass")
     tile_bytes = config.block_n * args["BLOCK_D"] * (variant.fp8 or torch_dtype).itemsize
     return KernelStats(
         arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
-        *kv_loop_of_sass(_dump(kernel.asm["cubin"], "-sass")),
+        *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass),
     )  # fmt: skip
 
 
@@ -227,15 +257,15 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
         "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | K/V buffers | wait_group "
-        "| BLOCK_N | SASS/iter |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| BLOCK_N | SASS/iter | merge: partials/wait | merge: SASS/contributor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if not r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} "
             f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} "
-            f"| {r.block_n} | {r.sass_per_iter} |"
+            f"| {r.block_n} | {r.sass_per_iter} | {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
         )
     lines += [
         "",

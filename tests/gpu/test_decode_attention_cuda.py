@@ -9,7 +9,7 @@ import torch
 from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
-from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, grid_size
+from lean_tp.ops.decode_attention.launcher import counters_size, decode_attention_fwd, grid_size
 from lean_tp.ops.decode_attention.tuning import get_config
 
 if not torch.cuda.is_available():  # one skip line for the module, not one per case
@@ -83,7 +83,7 @@ def test_bitwise_deterministic():
 
 def test_counters_left_at_zero():
     inputs = make_inputs([3000, 2000], 8, 2, 128, torch.float16, device="cuda", seed=3)
-    counters = torch.zeros(4, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(counters_size(17), dtype=torch.int32, device="cuda")
     for _ in range(3):
         out, lse = decode_attention_fwd(**inputs, softmax_scale=128**-0.5, num_programs=17, counters=counters)
         assert (counters == 0).all()

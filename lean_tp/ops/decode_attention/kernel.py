@@ -16,6 +16,7 @@ import triton.language as tl
 from lean_tp.ops.decode_attention.schedule import (
     _cdiv,
     _locate,
+    _merge_group,
     _next_unit,
     _num_active,
     _program_of_tile,
@@ -168,8 +169,10 @@ def _store_output(
 
 
 @triton.jit
-def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Write rows [0, n_rows) of one partial to workspace slot o_slot (= 2 * program + 0 or 1)."""
+def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr,
+                   BLOCK_G: tl.constexpr):  # fmt: skip
+    """Write rows [0, n_rows) of one partial (b_acc [BLOCK_G, BLOCK_D], b_m and b_l [BLOCK_G]) to
+    workspace slot o_slot (= 2 * program + 0 or 1)."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < n_rows
@@ -181,41 +184,56 @@ def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK
 
 @triton.jit
 def _merge_partials(
-    ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active, pid, n_rows, b_acc, b_m, b_l,
-    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, ROW_MASK: tl.constexpr,
+    ws_acc_ptr, ws_ml_ptr, first, n_members, stride, out_start, total, n_active, n_rows,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, WAVE: tl.constexpr,
 ):  # fmt: skip
-    """Merge the partials of one output in program order, so the result never depends on arrival.
+    """Merge the partials of programs first, first + stride, ... (n_members of them) for the output
+    that starts at tile out_start: (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]).
 
-    Contributor p left its partial in slot 1 when the output began after p's first tile (it was p's
-    last segment), else in slot 0; the merger's own partial (b_acc, b_m, b_l) is taken from
-    registers. Loads use ``.cg`` (L2, not the non-coherent L1): the partials were written by other
-    SMs, and this SM may hold stale copies of neighbouring lines. Rows >= n_rows are padding. With
-    ROW_MASK a partial's row may have seen no key (m = -inf); see ``_attend``.
+    A member's partial is in its slot 1 when the output began after its first tile, else in slot 0.
+    WAVE members are loaded at once, (m, l) and acc together, so a group of up to WAVE members
+    waits for L2 once; the fixed member order makes the result independent of arrival. Loads use
+    ``.cg`` (L2, not the non-coherent L1): the partials were written by other SMs. Rows that no
+    member saw (m = -inf) exponentiate against 0, as in ``_attend``.
     """
-    o_g = tl.arange(0, BLOCK_G)
+    o_w = tl.arange(0, WAVE)
+    o_r = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_acc = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_acc = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for p in range(p_first, p_last + 1):
-        slot = (_program_start(p, total, n_active) < out_start).to(tl.int64)
-        o_slot = tl.cast(p, tl.int64) * 2 + slot
-        m_g = (o_g < n_rows) & (p != pid)
-        b_mp = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
-        b_lp = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
-        p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :]
-        b_accp = tl.load(p_acc, mask=m_g[:, None], other=0.0, cache_modifier=".cg")
-        b_mp = tl.where(p == pid, b_m, b_mp)
-        b_lp = tl.where(p == pid, b_l, b_lp)
-        b_accp = tl.where(p == pid, b_acc, b_accp)
-        m_new = tl.maximum(m_acc, b_mp)
-        m_ref = _ref_max(m_new, ROW_MASK)
-        b_a = tl.exp2(m_acc - m_ref)
-        b_c = tl.exp2(b_mp - m_ref)
-        l_acc = l_acc * b_a + b_lp * b_c
-        acc = acc * b_a[:, None] + b_accp * b_c[:, None]
+    for i0 in range(0, n_members, WAVE):
+        p = first + (i0 + o_w) * stride
+        o_slot = p * 2 + (_program_start(p, total, n_active) < out_start).to(tl.int32)  # < 2**31: grid-sized
+        m_wr = ((i0 + o_w) < n_members)[:, None] & (o_r < n_rows)[None, :]
+        o_ml = (o_slot * 2)[:, None] * BLOCK_G + o_r[None, :]
+        b_mp = tl.load(ws_ml_ptr + o_ml, mask=m_wr, other=float("-inf"), cache_modifier=".cg")
+        b_lp = tl.load(ws_ml_ptr + o_ml + BLOCK_G, mask=m_wr, other=0.0, cache_modifier=".cg")
+        o_acc = ((o_slot * BLOCK_G)[:, None, None] + o_r[None, :, None]) * BLOCK_D + o_d[None, None, :]
+        b_ap = tl.load(ws_acc_ptr + o_acc, mask=m_wr[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_acc, tl.max(b_mp, 0))
+        m_ref = _ref_max(m_new, True)
+        b_w = tl.exp2(b_mp - m_ref[None, :])
+        b_alpha = tl.exp2(m_acc - m_ref)
+        l_acc = l_acc * b_alpha + tl.sum(b_w * b_lp, 0)
+        acc = acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_ap, 0)
         m_acc = m_new
     return acc, m_acc, l_acc
+
+
+@triton.jit
+def _arrive(counter_ptr, n_members):
+    """Count this program in at a merge (a group or an output) of n_members; True for the last
+    arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay).
+
+    The caller's barrier makes every thread's partial stores happen before the (single-thread)
+    release; the acq_rel atomic orders the last arriver's later loads after all members' releases.
+    """
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == n_members - 1
+    if is_last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return is_last
 
 
 @triton.jit
@@ -238,28 +256,39 @@ def _write_empty_sequences(
 
 @triton.jit
 def _finish_split(
-    ws_acc_ptr, ws_ml_ptr, counter_ptr, unit, pid, slot, out_start, n_tiles, total, n_active, n_rows,
-    b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, ROW_MASK: tl.constexpr,
+    ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, slot, out_start, n_tiles, total, n_active, num_programs, n_rows,
+    b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
 ):  # fmt: skip
-    """Publish this program's partial of a split output; if it arrives last, merge and return True.
+    """Publish this program's partial of a split output and take its part in the merge tree; returns
+    (whether this program merged the output, and the merged acc, m, l).
 
-    The barrier makes every thread's partial stores happen before the (single-thread) release
-    atomic; the acq_rel atomic orders the merger's later loads after all contributors' releases.
+    Level 1: the last arriver of each group of FANIN consecutive contributors merges the group
+    (``schedule._merge_group``). With one group that is the output's merge; otherwise it writes the
+    group's partial over its first member's slot, and the last group merger merges the groups'
+    partials (from their first members' slots). Counters: a group's at 2 * (first member) + its
+    slot, an output's second level at 2 * num_programs + 2 * (first contributor) + its slot.
     """
-    _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l,
-                   BLOCK_D, BLOCK_G)  # fmt: skip
+    _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
     tl.debug_barrier()
     p_first = _program_of_tile(out_start, total, n_active)
-    p_last = _program_of_tile(out_start + n_tiles - 1, total, n_active)
-    arrived = tl.atomic_add(counter_ptr + unit, 1, sem="acq_rel", scope="gpu")
-    is_last = arrived == p_last - p_first
-    if is_last:
-        # Leave the counter at zero so the next launch (or CUDA-graph replay) starts clean.
-        tl.atomic_xchg(counter_ptr + unit, 0, sem="relaxed", scope="gpu")
-        b_acc, b_m, b_l = _merge_partials(
-            ws_acc_ptr, ws_ml_ptr, out_start, p_first, p_last, total, n_active, pid, n_rows, b_acc, b_m, b_l,
-            BLOCK_D, BLOCK_G, ROW_MASK,
-        )  # fmt: skip
+    n_contrib = _program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+    g_first, g_size, n_groups = _merge_group(pid - p_first, n_contrib, FANIN)
+    first, members, stride = p_first + g_first, g_size, 1
+    o_counter = first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
+    go = _arrive(counter_ptr + o_counter, members)
+    is_last = go & (n_groups == 1)
+    # One merge per level, in a loop: one copy of the merge in the code.
+    while go:
+        b_acc, b_m, b_l = _merge_partials(ws_acc_ptr, ws_ml_ptr, first, members, stride, out_start, total, n_active,
+                                          n_rows, BLOCK_D, BLOCK_G, WAVE)  # fmt: skip
+        go = (stride == 1) & (n_groups > 1)
+        if go:
+            _store_partial(ws_acc_ptr, ws_ml_ptr, o_counter, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+            tl.debug_barrier()
+            first, members, stride = p_first, n_groups, FANIN
+            o_counter = 2 * num_programs + first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
+            go = _arrive(counter_ptr + o_counter, members)
+            is_last = go
     return is_last, b_acc, b_m, b_l
 
 
@@ -316,7 +345,7 @@ def decode_attention_fwd_kernel(
     stride_ks, stride_vs,
     GROUP: tl.constexpr, TQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MIN_TILES: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
     E4M3_BITS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
@@ -342,8 +371,8 @@ def decode_attention_fwd_kernel(
     stride_vh = stride_vh // STRIDE_ALIGN * STRIDE_ALIGN
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
-    b_cum, total = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    n_active = _num_active(total, num_programs, MIN_TILES)
+    b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    n_active = _num_active(total, unit_max, num_programs, MIN_TILES, MAX_CONTRIB)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
     # The first segment is placed by one search; each later one is the next head unit, whose
@@ -381,12 +410,12 @@ def decode_attention_fwd_kernel(
         b_q = _load_q(q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qt, stride_qh,
                       GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)  # fmt: skip
         n_base_next = _seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
-        n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)
         do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
         if not do_store:
             do_store, b_acc, b_m, b_l = _finish_split(
-                ws_acc_ptr, ws_ml_ptr, counter_ptr, b * HU + hu, pid, slot, out_start, n_tiles,
-                total, n_active, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G, TQ > 1,
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, slot, out_start, n_tiles, total, n_active, num_programs,
+                tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G), b_acc, b_m, b_l, BLOCK_D, BLOCK_G, FANIN,
+                WAVE,
             )  # fmt: skip
         if do_store:
             _store_output(out_ptr, lse_ptr, sinks_ptr, b, hu, b_acc, b_m, b_l, HKV * GROUP,

@@ -9,19 +9,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
 
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
+from lean_tp.ops.decode_attention.schedule import SEGMENT_FIELDS, lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
     INTERPRETER_PROGRAMS,
-    arch_of,
+    MAX_CONTRIBUTORS,
+    MERGE_FANIN,
+    MERGE_WAVE_ELEMS,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
+    arch_of,
     DecodeConfig,
     block_g_for,
     get_config,
@@ -52,11 +55,12 @@ def kernel_constexprs(
     """Compile-time arguments of the kernel for one problem family (``dtype``: q's dtype; ``arch``:
     the tuning-table key of the target)."""
     block_g = block_g_for(features.num_tokens * group, config)
+    block_d = padded_head_dim(head_dim)
     return {
         "GROUP": group,
         "TQ": features.num_tokens,
         "HEAD_DIM": head_dim,
-        "BLOCK_D": padded_head_dim(head_dim),
+        "BLOCK_D": block_d,
         "BLOCK_G": block_g,
         "NUM_GC": math.ceil(features.num_tokens * group / block_g),
         "BLOCK_N": config.block_n,
@@ -64,6 +68,9 @@ def kernel_constexprs(
         "PAGED": page_size is not None,
         "PAGE_SIZE": page_size or 1,
         "MIN_TILES": MIN_TILES_PER_PROGRAM,
+        "MAX_CONTRIB": MAX_CONTRIBUTORS,
+        "FANIN": MERGE_FANIN,
+        "WAVE": merge_wave(block_g, block_d),
         "BLOCK_B": SCHEDULE_BLOCK_B,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "HAS_LEFTPAD": has_leftpad,
@@ -73,6 +80,19 @@ def kernel_constexprs(
         "HAS_SCALES": features.fp8 is not None,
         "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
     }
+
+
+def merge_wave(rows: int, block_d: int) -> int:
+    """Partials a merge loads at once: as many as MERGE_WAVE_ELEMS fp32 elements hold (a power of
+    two, for ``tl.arange``), at least 1, at most the fan-in."""
+    fit = max(1, MERGE_WAVE_ELEMS // (rows * block_d))
+    return min(MERGE_FANIN, 1 << (fit.bit_length() - 1))
+
+
+def counters_size(num_programs: int) -> int:
+    """Merge counters of a grid: one per workspace slot for the groups and one per slot for the
+    outputs' second level (indexed by a group's or an output's first contributor)."""
+    return 4 * num_programs
 
 
 def check_launch_args(kernel: Any, args: dict[str, Any]) -> dict[str, Any]:
@@ -263,8 +283,8 @@ def decode_attention_fwd(
         softcap, window: as in ``lean_tp.decode_attention``; sinks: (Hq,) float32 or None.
         num_programs: grid size override (tests force tiny and huge grids); default ``grid_size``.
         config: tuning override; default the tuning-table entry.
-        counters: (>= B * Hkv * NUM_GC,) int32 zeros, reused across launches (the kernel leaves
-            them at zero); default a fresh zeroed buffer.
+        counters: (counters_size(num_programs),) int32 zeros, reused across launches (the kernel
+            leaves them at zero); default a fresh zeroed buffer.
         out, lse: preallocated results of the shapes returned (tests pass NaN-filled ones to catch
             unwritten elements).
         workspace: preallocated ``alloc_workspace`` buffers; their contents are never read before
@@ -291,7 +311,9 @@ def decode_attention_fwd(
     rows = kernel_constexprs(config, head_dim, group, q.dtype, layout.page_size, features=features)
     workspace = workspace or alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
     if counters is None:
-        counters = torch.zeros(q.shape[0] * layout.num_kv_heads * rows["NUM_GC"], device=q.device, dtype=torch.int32)
+        counters = torch.zeros(counters_size(num_programs), device=q.device, dtype=torch.int32)
+    elif counters.numel() < counters_size(num_programs):
+        raise ValueError(f"counters: expected at least {counters_size(num_programs)} elements, got {counters.numel()}")
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
                        softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks)  # fmt: skip
     launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -371,11 +393,26 @@ def launch_args(
     return check_launch_args(decode_attention_fwd_kernel, args)
 
 
+class Segment(NamedTuple):
+    """One program's piece of one output, as ``lean_schedule_kernel`` writes it."""
+
+    b: int  # sequence
+    head_unit: int
+    first_tile: int  # inside the head unit's tiles
+    n_tiles: int
+    contributors: int  # programs that share the output (1: not split)
+    index: int  # this program's place among them, in program order
+    slot: int  # workspace slot of its partial: 0 for the program's first segment, else 1
+    group_first: int  # index of the first member of its merge group
+    group_size: int
+    groups: int  # merge groups of the output (1: one level)
+
+
 def lean_schedule(
     cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None,
     max_span: int = NO_SPAN_LIMIT,
-) -> list[list[tuple[int, int, int, int, int]]]:
-    """The kernel's stream-K schedule, computed by the kernel's own schedule code.
+) -> list[list[Segment]]:
+    """The kernel's stream-K schedule and merge tree, computed by the kernel's own schedule code.
 
     Args:
         cache_seqlens: (B,) int32, on CUDA or on CPU under the Triton interpreter.
@@ -387,17 +424,17 @@ def lean_schedule(
             (``window + Tq - 1`` with a sliding window).
 
     Returns:
-        One list per active program of segments ``(b, head_unit, first_tile, n_tiles, contributors)``,
-        where contributors counts the programs that share that output. Inactive programs are omitted.
+        One list of ``Segment`` per active program; inactive programs are omitted.
     """
     device = cache_seqlens.device
     room = max_segments or 64
     while True:
-        segs = torch.full((num_programs, room, 5), -1, dtype=torch.int32, device=device)
+        segs = torch.full((num_programs, room, SEGMENT_FIELDS.value), -1, dtype=torch.int32, device=device)
         nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
         lean_schedule_kernel[(num_programs,)](
             cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs, max_span,
-            TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=room,
+            TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, MAX_CONTRIB=MAX_CONTRIBUTORS, FANIN=MERGE_FANIN,
+            BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=room,
         )  # fmt: skip
         counts = nseg.tolist()
         if max(counts) <= room:
@@ -406,4 +443,21 @@ def lean_schedule(
             raise ValueError(f"max_segments: expected at least {max(counts)} (the most any program has), got {max_segments}")
         room = triton.next_power_of_2(max(counts))  # a power of two: few MAX_SEGS variants to compile
     rows = segs.tolist()
-    return [[tuple(s) for s in rows[p][:n]] for p, n in enumerate(counts) if n >= 0]
+    return [[Segment(*s) for s in rows[p][:n]] for p, n in enumerate(counts) if n >= 0]
+
+
+def merge_plan(programs: list[list[Segment]]) -> dict[tuple[int, int], list[list[tuple[int, int]]]]:
+    """Who merges whom: for each split output (b, head_unit), its merge groups in merge order, each
+    a list of (program, slot) partials in merge order. The last arriver of a group merges it; with
+    more than one group, each group's result replaces its first member's partial and the last
+    group merger merges those first members' partials, in group order.
+
+    Built from what ``lean_schedule`` wrote, so tests and the simulator check the kernel's own tree.
+    """
+    plan: dict[tuple[int, int], dict[int, list[tuple[int, int, int]]]] = {}
+    for p, segments in enumerate(programs):
+        for s in segments:
+            if s.contributors > 1:
+                plan.setdefault((s.b, s.head_unit), {}).setdefault(s.group_first, []).append((s.index, p, s.slot))
+    return {out: [[(p, slot) for _, p, slot in sorted(members)] for _, members in sorted(groups.items())]
+            for out, groups in plan.items()}  # fmt: skip

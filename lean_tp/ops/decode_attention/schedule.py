@@ -42,22 +42,34 @@ def _tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B
 
 @triton.jit
 def _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]) and the batch's total.
+    """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]), the batch's
+    total, and the most tiles of any one output (head unit).
 
     The first block's counts are loaded once and kept in registers: ``_locate`` reuses them, so a
     decode batch (B <= BLOCK_B) reads the lengths once before its first K/V request.
     """
-    b_cum = tl.cumsum(_tile_counts(seqlens_ptr, 0, B, HU, max_span, TILE_N, BLOCK_B), axis=0)
+    counts = _tile_counts(seqlens_ptr, 0, B, HU, max_span, TILE_N, BLOCK_B)
+    b_cum = tl.cumsum(counts, axis=0)
     total = tl.max(b_cum, axis=0)
+    unit_max = tl.max(counts, axis=0)
     for b0 in range(BLOCK_B, B, BLOCK_B):
-        total += tl.sum(_tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N, BLOCK_B), axis=0)
-    return b_cum, total
+        counts = _tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N, BLOCK_B)
+        total += tl.sum(counts, axis=0)
+        unit_max = tl.maximum(unit_max, tl.max(counts, axis=0))
+    return b_cum, total, unit_max // HU
 
 
 @triton.jit
-def _num_active(total, num_programs, MIN_TILES: tl.constexpr):
-    """Shrink the grid so every active program has at least MIN_TILES tiles (never below 1)."""
-    return tl.maximum(tl.minimum(num_programs, total // MIN_TILES), 1)
+def _num_active(total, unit_max, num_programs, MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr):
+    """Active programs: the cost rule that weighs K/V reads against merges (docs/design.md).
+
+    Every active program gets at least MIN_TILES tiles (a short problem does not pay a merge per
+    tile) and at least cdiv(unit_max - 1, MAX_CONTRIB - 1), so that an output of unit_max tiles
+    spans at most MAX_CONTRIB programs (its first holds one tile or more, each other >= base) and
+    its merge chain stays within the tree's bound. Never below 1.
+    """
+    per = tl.maximum(_cdiv(unit_max - 1, MAX_CONTRIB - 1), MIN_TILES)
+    return tl.maximum(tl.minimum(num_programs, total // per), 1)
 
 
 @triton.jit
@@ -75,6 +87,15 @@ def _program_of_tile(t, total, n_active):
     rem = total % n_active
     big = rem * (base + 1)
     return tl.where(t < big, t // (base + 1), rem + (t - big) // tl.maximum(base, 1))
+
+
+@triton.jit
+def _merge_group(i, n, FANIN: tl.constexpr):
+    """Merge tree of an output with n contributors, seen from its contributor i (0-based, program
+    order): (index of the first member of i's group, members of the group, groups). Groups are
+    FANIN consecutive contributors; with one group its merger is the output's merger."""
+    first = i // FANIN * FANIN
+    return first, tl.minimum(n - first, FANIN), _cdiv(n, FANIN)
 
 
 @triton.jit
@@ -120,10 +141,14 @@ def _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, valid):
     return b, hu, n_len
 
 
+# Fields of one segment as ``lean_schedule_kernel`` writes it (``launcher.Segment`` names them).
+SEGMENT_FIELDS = tl.constexpr(10)
+
+
 @triton.jit
 def lean_schedule_kernel(
     seqlens_ptr,  # (B,) int32
-    seg_ptr,  # (num_programs, MAX_SEGS, 5) int32 out: b, head unit, first tile, n tiles, contributors
+    seg_ptr,  # (num_programs, MAX_SEGS, SEGMENT_FIELDS) int32 out, see launcher.Segment
     nseg_ptr,  # (num_programs,) int32 out: segments of each program (-1 when inactive)
     B,
     HU,
@@ -131,13 +156,16 @@ def lean_schedule_kernel(
     max_span,  # keys of a sequence that are tiled: window + Tq - 1, or more than any length
     TILE_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    MAX_CONTRIB: tl.constexpr,
+    FANIN: tl.constexpr,
     BLOCK_B: tl.constexpr,
     MAX_SEGS: tl.constexpr,
 ):
-    """Write out every program's segments exactly as the attention kernel walks them."""
+    """Write out every program's segments, and its place in each output's merge tree, exactly as
+    the attention kernel walks them."""
     pid = tl.program_id(0)
-    b_cum, total = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    n_active = _num_active(total, num_programs, MIN_TILES)
+    b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    n_active = _num_active(total, unit_max, num_programs, MIN_TILES, MAX_CONTRIB)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
     b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
@@ -147,18 +175,21 @@ def lean_schedule_kernel(
         n_tiles = _cdiv(_span(seq_len, max_span, True), TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
-        n_contrib = (
-            _program_of_tile(out_start + n_tiles - 1, total, n_active)
-            - _program_of_tile(out_start, total, n_active)
-            + 1
-        )
-        p_seg = seg_ptr + (pid * MAX_SEGS + n) * 5
+        p_first = _program_of_tile(out_start, total, n_active)
+        n_contrib = _program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+        g_first, g_size, n_groups = _merge_group(pid - p_first, n_contrib, FANIN)
+        p_seg = seg_ptr + (pid * MAX_SEGS + n) * SEGMENT_FIELDS
         m_room = n < MAX_SEGS
         tl.store(p_seg + 0, b, mask=m_room)
         tl.store(p_seg + 1, hu, mask=m_room)
         tl.store(p_seg + 2, tile, mask=m_room)
         tl.store(p_seg + 3, seg_end - t, mask=m_room)
         tl.store(p_seg + 4, n_contrib, mask=m_room)
+        tl.store(p_seg + 5, pid - p_first, mask=m_room)
+        tl.store(p_seg + 6, (t0 < out_start).to(tl.int32), mask=m_room)
+        tl.store(p_seg + 7, g_first, mask=m_room)
+        tl.store(p_seg + 8, g_size, mask=m_room)
+        tl.store(p_seg + 9, n_groups, mask=m_room)
         n += 1
         t = seg_end
         b, hu, seq_len = _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1)

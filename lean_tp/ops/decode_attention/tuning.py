@@ -43,6 +43,26 @@ class DecodeConfig:
 # shrinks instead of paying a merge for every tile (the paper: reduction overhead grows with splits).
 MIN_TILES_PER_PROGRAM = 2
 
+# The merge tree of a split output (docs/design.md, "The merge tree"). Contributors are grouped by
+# program index into groups of MERGE_FANIN; the last arriver of each group merges it, and the last
+# group merger merges the groups. The serial chain is then at most MERGE_FANIN + ceil(C / MERGE_FANIN)
+# partials for C contributors. At 8, a group's partials of the TP shape (8 rows x D=128, fp32: 4 KB
+# each, 32 KB a group) take ~0.3 us of the merger's L2 port on an H100, and 8 x 8 covers
+# MAX_CONTRIBUTORS.
+MERGE_FANIN = 8
+# Most programs that share one output: MERGE_FANIN ** 2 keeps the chain within 2 x MERGE_FANIN = 16
+# partials. The schedule's cost rule gives each program at least cdiv(T - 1, 63) of an output's T
+# tiles instead of splitting it further. In the simulator's model (lean_tp/simulate.py) 64 programs
+# on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
+# so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
+MAX_CONTRIBUTORS = MERGE_FANIN**2
+# fp32 elements of partials one merge wave loads at once ([members, BLOCK_G, BLOCK_D]): 1024 is one
+# partial per wave for a 16-row group at D=64 and up (two for fp32 entries' smaller blocks). Compiled
+# as launched (kernel report), larger waves cost a program per SM where it matters most: 2 partials
+# per wave took sm_90 paged16 D=128 from 168 to 202 registers and sm_80 paged16 D=64 from 164 to
+# 199; 4 took sm_80 paged16 D=128 to 206 (3 -> 2 programs/SM each). The tree bounds the chain.
+MERGE_WAVE_ELEMS = 1024
+
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
 INTERPRETER_PROGRAMS = 4

@@ -1,0 +1,143 @@
+"""The merge tree of split outputs (interpreter on CPU): exact with many contributors, two levels,
+every serving feature, and bitwise independent of the order in which programs arrive.
+
+Small LeanTiles (16 keys) make a ~2k-token sequence span a whole grid of 64 programs, so the
+interpreter runs the same trees a 128k context builds on a GPU. Outputs, lse and the workspace are
+NaN-filled before each launch: a partial read before it was written, or an output never stored,
+fails the comparison.
+"""
+
+import random
+
+import pytest
+import torch
+import triton.runtime.interpreter as interpreter
+from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
+
+from lean_tp.ops.decode_attention import launcher
+from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.launcher import (
+    alloc_workspace,
+    counters_size,
+    decode_attention_fwd,
+    features_of,
+    kernel_constexprs,
+    lean_schedule,
+    merge_plan,
+)
+from lean_tp.ops.decode_attention.tuning import MERGE_FANIN, DecodeConfig
+from lean_tp.ops.utils import interpreted
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
+)
+
+TILE = 16
+CONFIG = DecodeConfig(TILE, 16, 64, 4, 1, 1, "test: 16-key tiles split short sequences over many programs")
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
+
+
+def run(inputs: dict, num_programs: int):
+    """(out, lse, counters) of one launch with NaN-filled out, lse and workspace."""
+    q = inputs["q"]
+    q4 = q if q.dim() == 4 else q[:, None]
+    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
+    features = features_of(q4, layout.dtype, inputs.get("softcap"), inputs.get("window"), inputs.get("sinks"))
+    cx = kernel_constexprs(CONFIG, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
+                           features=features)  # fmt: skip
+    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], "cpu"))
+    counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
+    scales = {k: torch.tensor([v]) if isinstance(v, float) else v for k in ("k_scale", "v_scale") if (v := inputs.get(k)) is not None}
+    out, lse = decode_attention_fwd(
+        **{**inputs, **scales}, softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, config=CONFIG,
+        counters=counters, out=torch.full_like(q, float("nan")), lse=torch.full(q.shape[:-1], float("nan")),
+        workspace=workspace,
+    )  # fmt: skip
+    return out, lse, counters
+
+
+def plan_of(inputs: dict, num_programs: int) -> dict:
+    """The merge plan the schedule code writes for this call (window: its tiled span)."""
+    q = inputs["q"]
+    hkv = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"]).num_kv_heads
+    tq = q.shape[1] if q.dim() == 4 else 1
+    span = {"max_span": inputs["window"] + tq - 1} if inputs.get("window") else {}
+    lens = inputs["cache_seqlens"] - (inputs["cache_leftpad"] if inputs.get("cache_leftpad") is not None else 0)
+    return merge_plan(lean_schedule(lens.to(torch.int32), hkv, TILE, num_programs, **span))
+
+
+@pytest.mark.parametrize("tq,group", [(1, 1), (1, 4), (1, 8), (4, 2)])
+def test_one_output_split_over_the_whole_grid(tq, group):
+    """B=1 with one KV head, the tensor-parallel shape: 63 programs of a 64-program grid share the
+    output, merged by 8 groups and a second level (a chain of 8 + 8 partials)."""
+    inputs = make_feature_inputs([WHOLE_GRID], group, 1, 64, torch.float32, "paged16", tq=tq, seed=10 * tq + group)
+    out, lse, counters = run(inputs, 64)
+    assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
+    assert (counters == 0).all(), "the merge must leave its counters at zero"
+    (groups,) = plan_of(inputs, 64).values()
+    assert [len(g) for g in groups] == [MERGE_FANIN] * 7 + [7]
+
+
+def test_more_contributors_than_the_cap(monkeypatch):
+    """The tree is exact for any contributor count; the cap only bounds its chain. 128 contributors:
+    16 groups, so the second level takes two waves of loads."""
+    monkeypatch.setattr(launcher, "MAX_CONTRIBUTORS", 10**6)
+    monkeypatch.setattr(launcher, "MIN_TILES_PER_PROGRAM", 1)
+    inputs = make_feature_inputs([128 * TILE - 3], 8, 1, 64, torch.float32, "contiguous", seed=3)
+    out, lse, counters = run(inputs, 128)
+    assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
+    assert (counters == 0).all()
+    (groups,) = plan_of(inputs, 128).values()
+    assert len(groups) == 16 and sum(map(len, groups)) == 128
+
+
+RAGGED = [WHOLE_GRID // 2, 0, 1, TILE - 1, TILE, TILE + 1, 300]  # split and whole outputs, an empty one
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"window": 40, "tq": 4, "leftpad": [3, 0, 1, 0, 2, 0, 5]},
+        {"cache_dtype": torch.float8_e4m3fn, "per_head_scale": True, "sinks": True},
+        {"cache_dtype": torch.float8_e5m2, "softcap": 5.0, "tq": 4},
+    ],
+    ids=["window_tq4_leftpad", "fp8_e4m3_sinks", "fp8_e5m2_softcap_tq4"],
+)
+def test_ragged_batch_with_features(features):
+    dtype = torch.float16 if "cache_dtype" in features else torch.float32
+    inputs = make_feature_inputs(RAGGED, 8, 2, 64, dtype, "paged16", seed=len(features), **features)
+    out, lse, counters = run(inputs, 32)
+    assert_matches_feature_ref(out, lse, inputs, ATOL[dtype])
+    assert (counters == 0).all()
+    plan = plan_of(inputs, 32)
+    assert any(len(groups) > 1 for groups in plan.values()) or "window" in features
+    assert len(plan) < len(RAGGED) * 2  # some outputs are whole, not merged
+
+
+@pytest.fixture
+def arrival_order(monkeypatch):
+    """Run the interpreter's programs in a chosen order: the interpreter runs each program to its
+    end before the next, so this order is the order in which programs arrive at every merge."""
+    order: list[int] = []
+    set_grid_idx = interpreter.interpreter_builder.set_grid_idx
+    monkeypatch.setattr(interpreter.interpreter_builder, "set_grid_idx",
+                        lambda x, y, z: set_grid_idx(order[x] if order else x, y, z))  # fmt: skip
+    return order
+
+
+def test_result_does_not_depend_on_arrival_order(arrival_order):
+    """The same launch with programs arriving in grid order, reversed, and shuffled: every
+    merge is done by a different program each time, and out and lse are bitwise equal."""
+    inputs = make_feature_inputs([WHOLE_GRID // 2 - 5, 40, 0, 300], 8, 2, 64, torch.float32, "contiguous", tq=2, seed=5)
+    num_programs = 32
+    results = []
+    for perm in (list(range(num_programs)), list(range(num_programs))[::-1], random.Random(0).sample(range(num_programs), num_programs)):
+        arrival_order[:] = perm
+        out, lse, counters = run(inputs, num_programs)
+        assert (counters == 0).all()
+        results.append((out, lse))
+    assert_matches_feature_ref(*results[0], inputs, ATOL[torch.float32])
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
