@@ -151,7 +151,8 @@ class Schedule:
     sm_work: list[int]  # K/V tokens per SM
     time_us: float = 0.0  # modelled kernel time (+ the combine kernel for fixed splits)
     merge_us: float = 0.0  # what merging adds: lean's tree past its last K/V byte, or the combine kernel
-    chain: int = 0  # lean: the longest serial merge chain, in partials
+    chain: int = 0  # lean: the longest serial merge chain, in partials (a final merger reads its group's and the groups')
+    merge_bytes: int = 0  # lean: the most partial bytes one program reads in merges
     bars: list[tuple[int, int, int, int]] = field(default_factory=list)  # (sm, start, tokens, output)
 
     @property
@@ -209,6 +210,27 @@ def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_
     return [w * share for w in want]
 
 
+def _shared_clock(works: list[float], rate: float):
+    """Time at which programs sharing one SM's ``rate`` (processor sharing: the unfinished ones split
+    it evenly, so one that finishes early hands its share to the rest) have each done ``x`` bytes;
+    the SM finishes at sum(works) / rate."""
+    levels = sorted(works)
+
+    def clock(x: float) -> float:
+        t, done, left = 0.0, 0.0, len(levels)
+        for level in levels:
+            step = min(x, level) - done
+            if step > 0:
+                t += step * left / rate
+                done += step
+            if x <= level:
+                break
+            left -= 1
+        return t
+
+    return clock
+
+
 def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel) -> float:
     """One level of the tree: the arrival atomic, one L2 round trip per wave of partial loads, and
     the partials through the merger's L2 port."""
@@ -224,21 +246,25 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     head_units, tile = problem.n_kv_heads * cx["NUM_GC"], config.tile_n
     device = "cuda" if torch.cuda.is_available() else "cpu"
     programs = lean_schedule(torch.tensor(problem.lens, dtype=torch.int32, device=device), head_units, tile,
-                             gpu.sms * per_sm)  # fmt: skip
+                             gpu.sms * per_sm, num_sms=gpu.sms)  # fmt: skip
     sms = gpu.sms
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
     rates = _stream_rates(n_on_sm, problem, gpu, per_sm)
     bytes_per_token = 2 * problem.head_dim * problem.elem_size
     work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
+    seg_bytes = [[(min(problem.lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token
+                  for s in segments] for segments in programs]  # fmt: skip
+    clocks = [_shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0)
+              for sm in range(sms)]  # fmt: skip
     for p, segments in enumerate(programs):
-        sm, t = p % sms, gpu.hbm_latency_us
-        for s in segments:
-            tokens = min(problem.lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile
+        sm, done = p % sms, 0
+        for s, nbytes in zip(segments, seg_bytes[p]):
+            tokens = nbytes // bytes_per_token
             bars.append((sm, clock[sm], tokens, s.b * problem.n_kv_heads + s.head_unit // cx["NUM_GC"]))
             clock[sm] += tokens
             work[sm] += tokens
-            t += tokens * bytes_per_token / (rates[sm] / n_on_sm[sm])
-            seg_end[(p, s.slot)] = t
+            done += nbytes
+            seg_end[(p, s.slot)] = gpu.hbm_latency_us + clocks[sm](done)
     kv_end = max(seg_end.values(), default=0.0)
     # A partial's real rows (masked padding rows move no bytes): fp32 acc, m and l.
     partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
@@ -251,7 +277,7 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
             finish += gpu.l2_latency_us + _merge_level_us(len(groups), cx["WAVE"], partial, gpu)
         end = max(end, finish)
         chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
-    return Schedule("lean", sms, len(programs), len(plan), work, end, end - kv_end, chain, bars)
+    return Schedule("lean", sms, len(programs), len(plan), work, end, end - kv_end, chain, chain * partial, bars)
 
 
 def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: int, block_n: int,
@@ -299,7 +325,7 @@ def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict
     """One table row: every method's modelled time and merge, lean's chain and bandwidth share."""
     lean = result["lean"]
     row = {"gpu": gpu.name, "problem": problem.describe(), "kv_mb": problem.kv_bytes / 1e6,
-           "lean_programs": lean.units, "lean_chain": lean.chain,
+           "lean_programs": lean.units, "lean_chain": lean.chain, "lean_merge_kb": lean.merge_bytes / 1024,
            "lean_bw": problem.kv_bytes / (lean.time_us * 1e6 * gpu.hbm_tbps) if lean.time_us else 0.0}  # fmt: skip
     for method, sched in result.items():
         row |= {f"{method}_us": sched.time_us, f"{method}_merge_us": sched.merge_us,
@@ -334,12 +360,13 @@ def table_rows_parallel(problems: list[Problem], gpus: list[str], programs_per_s
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| GPU | problem | lean us | lean merge us | chain | programs | lean BW | FA2 splits | FA2 us | FA2 combine us "
-            "| Flex splits | Flex us | vs FA2 | vs Flex |")  # fmt: skip
-    lines = [head, "|" + "---|" * 14]
+    head = ("| GPU | problem | lean us | lean merge us | chain | merge KB | programs | lean BW | FA2 splits | FA2 us "
+            "| FA2 combine us | Flex splits | Flex us | vs FA2 | vs Flex |")  # fmt: skip
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         lines.append(
             f"| {r['gpu']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_chain']} "
+            f"| {r['lean_merge_kb']:.0f} "
             f"| {r['lean_programs']} | {r['lean_bw']:.2f} | {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} "
             f"| {r['flex_splits']} | {r['flex_us']:.1f} | {r['speedup_vs_fa2']:.2f}x | {r['speedup_vs_flex']:.2f}x |"
         )

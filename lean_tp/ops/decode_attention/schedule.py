@@ -60,16 +60,22 @@ def _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.
 
 
 @triton.jit
-def _num_active(total, unit_max, num_programs, MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr):
+def _num_active(total, unit_max, num_programs, num_sms, MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr):
     """Active programs: the cost rule that weighs K/V reads against merges (docs/design.md).
 
-    Every active program gets at least MIN_TILES tiles (a short problem does not pay a merge per
-    tile) and at least cdiv(unit_max - 1, MAX_CONTRIB - 1), so that an output of unit_max tiles
-    spans at most MAX_CONTRIB programs (its first holds one tile or more, each other >= base) and
-    its merge chain stays within the tree's bound. Never below 1.
+    Every active program gets at least ``per`` tiles: MIN_TILES, and cdiv(unit_max - 1,
+    MAX_CONTRIB - 1), so that an output of unit_max tiles spans at most MAX_CONTRIB programs (its
+    first holds one tile or more, each other >= base) and its merge chain stays within the tree's
+    bound. That allows up to ``n_max`` programs. With work for two or more programs per SM
+    (num_sms), a whole number of programs per SM keeps the SMs' loads within a tile of each
+    other. Otherwise at most one program per SM: the fewest programs that reach the least
+    possible load of the busiest one, since more would not finish sooner (SMs streaming together
+    share the memory bandwidth) and would only add partials to merge. Never below 1.
     """
     per = tl.maximum(_cdiv(unit_max - 1, MAX_CONTRIB - 1), MIN_TILES)
-    return tl.maximum(tl.minimum(num_programs, total // per), 1)
+    n_max = tl.minimum(num_programs, tl.maximum(total // per, 1))
+    fewest = _cdiv(total, tl.maximum(_cdiv(total, tl.minimum(n_max, num_sms)), 1))
+    return tl.maximum(tl.where(n_max >= 2 * num_sms, n_max // num_sms * num_sms, fewest), 1)
 
 
 @triton.jit
@@ -153,6 +159,7 @@ def lean_schedule_kernel(
     B,
     HU,
     num_programs,
+    num_sms,  # SMs the grid is spread over (num_programs is a multiple)
     max_span,  # keys of a sequence that are tiled: window + Tq - 1, or more than any length
     TILE_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
@@ -165,7 +172,7 @@ def lean_schedule_kernel(
     the attention kernel walks them."""
     pid = tl.program_id(0)
     b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    n_active = _num_active(total, unit_max, num_programs, MIN_TILES, MAX_CONTRIB)
+    n_active = _num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
     t0 = _program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
     b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)

@@ -27,6 +27,9 @@ class DecodeConfig:
     num_stages: int
     max_programs_per_sm: int  # cap on the occupancy-derived programs per SM
     reason: str
+    # fp32 elements of partials the merge loads per wait ([members, BLOCK_G, BLOCK_D]): more
+    # partials in flight shorten the merge chain's wait, at the price of registers (see _WAVE_*).
+    merge_wave_elems: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "block_n", "max_block_g"):
@@ -39,9 +42,12 @@ class DecodeConfig:
             )
 
 
-# Each active program is given at least this many LeanTiles when the problem is small, so the grid
-# shrinks instead of paying a merge for every tile (the paper: reduction overhead grows with splits).
-MIN_TILES_PER_PROGRAM = 2
+# Least LeanTiles per active program. The paper shrank the grid to 2 tiles per program to bound
+# merges; the cost rule (schedule._num_active) now launches the fewest programs that reach the least
+# possible busiest-program load, which already avoids a merge that buys no time. With 2, the
+# simulator's model gives the tensor-parallel shape at 4k (B=1, one KV head, H100) 16 programs and
+# 3.4 us; with 1, 32 programs and 2.7 us (FlashDecoding: 2.7 us).
+MIN_TILES_PER_PROGRAM = 1
 
 # The merge tree of a split output (docs/design.md, "The merge tree"). Contributors are grouped by
 # program index into groups of MERGE_FANIN; the last arriver of each group merges it, and the last
@@ -56,12 +62,6 @@ MERGE_FANIN = 8
 # on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
 # so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
 MAX_CONTRIBUTORS = MERGE_FANIN**2
-# fp32 elements of partials one merge wave loads at once ([members, BLOCK_G, BLOCK_D]): 1024 is one
-# partial per wave for a 16-row group at D=64 and up (two for fp32 entries' smaller blocks). Compiled
-# as launched (kernel report), larger waves cost a program per SM where it matters most: 2 partials
-# per wave took sm_90 paged16 D=128 from 168 to 202 registers and sm_80 paged16 D=64 from 164 to
-# 199; 4 took sm_80 paged16 D=128 to 206 (3 -> 2 programs/SM each). The tree bounds the chain.
-MERGE_WAVE_ELEMS = 1024
 
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
@@ -80,18 +80,27 @@ _STAGES = "; 3 stages: H100 has 228 KB smem/SM"
 _BN128 = ("; 128-key blocks: 3.8 SASS per key instead of 4.6 (paged16: 3.4 instead of 5.9) and 1.5x the K/V "
           "bytes in flight per SM (3 programs x 32 KB blocks against 4 x 16 KB)")
 _BN64 = "; 64-key blocks: 128 would need 137 KB smem (1 program/SM on H100, 249 registers on A100)"
+# Merge waves of 8192 elements: 4 partials per wait at D=128 (8 at D=64, 2 at D=256), so a level of
+# the merge tree waits for L2 twice instead of 8 times. Compiled as launched (kernel report, group
+# 4): sm_90 keeps 3 programs/SM for D <= 128 (paged16 D=128: 168 registers; 2 partials per wait
+# happened to take it to 202). On sm_80 the paged16 kernels drop from 3 to 2 programs/SM (D=128:
+# 208 registers); 2 programs x 32 KB in flight still exceed what Little's law asks of an A100 SM
+# (1.5 TB/s / 108 x 0.6 us = 8 KB), and the simulator's TP shape (B=1, one KV head, 4k-256k)
+# merges 1.3-1.7 us faster than with one partial per wait (lean_tp/simulate.py).
+_WAVE90 = "; merge: 8192-element waves, 3 programs/SM kept (kernel report)"
+_WAVE80 = "; merge: 8192-element waves, 2 programs/SM on paged16 (enough in flight; kernel report, simulator)"
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 2, 3, _PAPER_D64 + _BN128 + _FITS),
-    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 3, _PAPER_D128 + _BN64 + _FITS),
-    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256 + _FITS),
-    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS),
-    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS),
-    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS),
+    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 2, 3, _PAPER_D64 + _BN128 + _FITS + _WAVE80, 8192),
+    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 3, _PAPER_D128 + _BN64 + _FITS + _WAVE80, 8192),
+    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256 + _FITS + _WAVE80, 8192),
+    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90, 8192),
+    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90, 8192),
+    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90, 8192),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
     ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
     ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 3, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
@@ -101,9 +110,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm90", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 4, "fp32: same bytes per tile as the fp16 D=256 entry" + _FITS),
     # Interpreter: tile and block sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths and
     # block boundaries mean the same thing.
-    ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the GPU D=64 entry, untimed"),
-    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the GPU D=128 entry, untimed"),
-    ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
+    ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=64 entry, untimed", 8192),
+    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=128 entry, untimed", 8192),
+    ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the sm90 D=256 entry", 8192),
     ("interp", 64, 4): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
     ("interp", 128, 4): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
     ("interp", 256, 4): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
