@@ -482,7 +482,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=32, help="query heads (with --tp: of the whole model)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads (with --tp: of the whole model)")
     p.add_argument("--model", choices=list(MODEL_PRESETS), help="head counts and head_dim of a preset model")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: simulate one rank's heads")
+    p.add_argument("--tp", type=int, help="tensor-parallel size: simulate one rank's heads (1; 8 with --tp-sweep)")
     p.add_argument("--lens", default="16384", help="one length for every sequence, or a comma list (ragged)")
     p.add_argument("--capacity", type=int, default=0, help="KV cache capacity fixed-split kernels size splits from")
     p.add_argument("--head-dim", type=int, default=128)
@@ -497,7 +497,7 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every value checked before any work: one line naming the flag, exit status 2."""
     for flag in ("batch", "tp", "head_dim"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     if args.programs_per_sm is not None and args.programs_per_sm < 1:
         p.error(f"--programs-per-sm: expected an integer >= 1, got {args.programs_per_sm}")
@@ -511,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     _check_args(p, args)
-    if args.tp_sweep and args.tp == 1:
-        args.tp = 8
+    if args.tp is None:
+        args.tp = 8 if args.tp_sweep else 1
     try:
         if args.model:
             args.heads, args.kv_heads, args.head_dim = MODEL_PRESETS[args.model]

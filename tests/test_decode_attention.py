@@ -119,6 +119,14 @@ def test_decode_attention_triton_rejects_strided_out():
         decode_attention_fwd(**inputs, softmax_scale=0.1, out=strided)
 
 
+def test_launcher_rejects_a_grid_that_does_not_fit_its_sms_or_counters():
+    inputs = make_inputs([5], 4, 1, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="num_sms: expected a divisor of num_programs=6, got 4"):
+        decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, num_sms=4)
+    with pytest.raises(ValueError, match="counters: expected at least 24 elements, got 8"):
+        decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, counters=torch.zeros(8, dtype=torch.int32))
+
+
 def test_decode_attention_triton_counters_reset_and_deterministic():
     """The kernel leaves its counters at zero, so a reused buffer gives identical results."""
     config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: many split outputs")
