@@ -114,9 +114,14 @@ class Problem:
         return self.capacity or max(self.lens)
 
     @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token of one KV head."""
+        return 2 * self.head_dim * self.elem_size
+
+    @property
     def kv_bytes(self) -> int:
         """K and V bytes a ragged-aware kernel must read."""
-        return 2 * self.n_kv_heads * sum(self.lens) * self.head_dim * self.elem_size
+        return self.n_kv_heads * sum(self.lens) * self.bytes_per_token
 
     def describe(self) -> str:
         lens = f"len {self.lens[0]}" if len(set(self.lens)) == 1 else f"lens {min(self.lens)}-{max(self.lens)} (mean {sum(self.lens) // len(self.lens)})"
@@ -204,7 +209,7 @@ def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing the
     copy bandwidth in proportion. Every method gets this model."""
     config = lean_config(problem, gpu)
-    in_flight = max(1, config.num_stages - 1) * config.block_n * 2 * problem.head_dim * problem.elem_size
+    in_flight = max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
     share = min(1.0, gpu.hbm_tbps * 1e6 / max(sum(want), 1e-9))
     return [w * share for w in want]
@@ -250,7 +255,7 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     sms = gpu.sms
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
     rates = _stream_rates(n_on_sm, problem, gpu, per_sm)
-    bytes_per_token = 2 * problem.head_dim * problem.elem_size
+    bytes_per_token = problem.bytes_per_token
     work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
     seg_bytes = [[(min(problem.lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token
                   for s in segments] for segments in programs]  # fmt: skip
@@ -302,7 +307,7 @@ def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: i
                 bars.append((sm, start, tokens, b * problem.n_kv_heads + h))
     per_sm = programs_per_sm or lean_config(problem, gpu).max_programs_per_sm
     rates = _stream_rates(ctas, problem, gpu, per_sm)
-    bytes_per_token = 2 * problem.head_dim * problem.elem_size
+    bytes_per_token = problem.bytes_per_token
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
     if splits > 1:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TILE = 16
-# 4096-element merge waves: 4 partials per wait at D=64, so waves are full, partial (groups of 7)
+# 4096-element merge waves: 4 partials per merge-loop iteration at D=64, so waves are full, partial (groups of 7)
 # and single (the second level of 2 groups).
 CONFIG = DecodeConfig(TILE, 16, 64, 4, 1, 1, "test: 16-key tiles split short sequences over many programs", 4096)
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}

@@ -177,6 +177,6 @@ def test_merge_loop_is_the_innermost_loop_with_l2_coherent_loads():
 
 def test_every_kernel_merges_in_waves_of_l2_loads(stats):
     """The merge loop exists in every compiled kernel, loads its partials through L2 (``.cg``), a
-    wave of ``merge_wave`` partials per wait."""
+    wave of ``merge_wave`` partials per iteration."""
     for s in stats:
         assert s.merge_wave >= 1 and s.merge_loads_per_wave >= 1 and s.merge_sass_per_wave > 0, s

@@ -21,7 +21,7 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
   ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
   ``FFMA`` for fp32's "ieee" dots);
-- ``merge_wave``: partials the merge loads per wait (``WAVE``), ``merge_sass_per_wave`` and
+- ``merge_wave``: partials the merge loads per loop iteration (``WAVE``), ``merge_sass_per_wave`` and
   ``merge_loads_per_wave``: SASS instructions and L2 (``.cg``) loads of one iteration of the merge
   loop, which merges one wave; SASS per contributor is their ratio to ``merge_wave``.
 
@@ -80,9 +80,9 @@ class KernelStats:
     wait_group: int
     sass_per_iter: int
     loop_spills: int
-    merge_wave: int  # partials loaded per wait in the merge (one wave)
+    merge_wave: int  # partials the merge loads per loop iteration (one wave)
     merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
-    merge_loads_per_wave: int  # L2 loads (.cg) issued per wave, before their first use
+    merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
 
 
 def _cuobjdump() -> str:
@@ -115,17 +115,19 @@ def _sass_loops(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]
     return code, [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
 
 
+def _count(code: list[tuple[int, str]], loop: tuple[int, int], matches) -> int:
+    """Instructions of ``loop`` whose opcode ``matches``."""
+    return sum(matches(op) for a, op in code if loop[0] <= a <= loop[1])
+
+
 def kv_loop_of_sass(text: str) -> tuple[int, int]:
     """(instructions, LDL/STL) of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
     holding the most tensor-core multiply-accumulates (HMMA/HGMMA), or the most FFMA when no loop
     has any (fp32's "ieee" dots). The merge's loop has FFMA but no HMMA."""
     code, innermost = _sass_loops(text)
-
-    def count(loop: tuple[int, int], ops: tuple[str, ...]) -> int:
-        return sum(op.split(".")[0] in ops for a, op in code if loop[0] <= a <= loop[1])
-
-    ops = ("HMMA", "HGMMA") if any(count(loop, ("HMMA", "HGMMA")) for loop in innermost) else ("FFMA",)
-    lo, hi = max(innermost, key=lambda loop: count(loop, ops), default=(0, -1))
+    tensor_core = lambda op: op.split(".")[0] in ("HMMA", "HGMMA")  # noqa: E731
+    macs = tensor_core if any(_count(code, loop, tensor_core) for loop in innermost) else (lambda op: op.split(".")[0] == "FFMA")
+    lo, hi = max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
     body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
     return len(body), sum(op in ("LDL", "STL") for op in body)
 
@@ -135,14 +137,11 @@ def merge_loop_of_sass(text: str) -> tuple[int, int]:
     the most L2-coherent loads (``ld.global.cg``, ``LDG.E*.STRONG.GPU`` in SASS), one wave of
     partials per iteration; (0, 0) when there is none."""
     code, innermost = _sass_loops(text)
-
-    def strong(loop: tuple[int, int]) -> int:
-        return sum(op.startswith("LDG") and op.endswith("STRONG.GPU") for a, op in code if loop[0] <= a <= loop[1])
-
-    best = max(innermost, key=strong, default=None)
-    if best is None or not strong(best):
+    coherent = lambda op: op.startswith("LDG") and op.endswith("STRONG.GPU")  # noqa: E731
+    best = max(innermost, key=lambda loop: _count(code, loop, coherent), default=None)
+    if best is None or not _count(code, best, coherent):
         return 0, 0
-    return sum(best[0] <= a <= best[1] for a, _ in code), strong(best)
+    return _count(code, best, lambda op: True), _count(code, best, coherent)
 
 
 def _kv_load_bytes(ptx: str) -> int:
@@ -257,7 +256,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
         "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | K/V buffers | wait_group "
-        "| BLOCK_N | SASS/iter | merge: partials/wait | merge: SASS/contributor |",
+        "| BLOCK_N | SASS/iter | merge: partials/iter | merge: SASS/contributor |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if not r.features):

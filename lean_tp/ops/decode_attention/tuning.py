@@ -27,8 +27,8 @@ class DecodeConfig:
     num_stages: int
     max_programs_per_sm: int  # cap on the occupancy-derived programs per SM
     reason: str
-    # fp32 elements of partials the merge loads per wait ([members, BLOCK_G, BLOCK_D]): more
-    # partials in flight shorten the merge chain's wait, at the price of registers (see _WAVE_*).
+    # fp32 elements of partials the merge loads per loop iteration ([members, BLOCK_G, BLOCK_D]):
+    # fewer iterations per merge level, at the price of registers (see _WAVE80, _WAVE90).
     merge_wave_elems: int = 1024
 
     def __post_init__(self) -> None:
@@ -80,13 +80,13 @@ _STAGES = "; 3 stages: H100 has 228 KB smem/SM"
 _BN128 = ("; 128-key blocks: 3.8 SASS per key instead of 4.6 (paged16: 3.4 instead of 5.9) and 1.5x the K/V "
           "bytes in flight per SM (3 programs x 32 KB blocks against 4 x 16 KB)")
 _BN64 = "; 64-key blocks: 128 would need 137 KB smem (1 program/SM on H100, 249 registers on A100)"
-# Merge waves of 8192 elements: 4 partials per wait at D=128 (8 at D=64, 2 at D=256), so a level of
-# the merge tree waits for L2 twice instead of 8 times. Compiled as launched (kernel report, group
-# 4): sm_90 keeps 3 programs/SM for D <= 128 (paged16 D=128: 168 registers; 2 partials per wait
+# Merge waves of 8192 elements: 4 partials per merge-loop iteration at D=128 (8 at D=64, 2 at D=256),
+# so a level of the merge tree takes 2 iterations instead of 8. Compiled as launched (kernel report, group
+# 4): sm_90 keeps 3 programs/SM for D <= 128 (paged16 D=128: 168 registers; 2 partials per iteration
 # happened to take it to 202). On sm_80 the paged16 kernels drop from 3 to 2 programs/SM (D=128:
 # 208 registers); 2 programs x 32 KB in flight still exceed what Little's law asks of an A100 SM
 # (1.5 TB/s / 108 x 0.6 us = 8 KB), and the simulator's TP shape (B=1, one KV head, 4k-256k)
-# merges 1.3-1.7 us faster than with one partial per wait (lean_tp/simulate.py).
+# merges 1.3-1.7 us faster than with one partial per iteration (lean_tp/simulate.py).
 _WAVE90 = "; merge: 8192-element waves, 3 programs/SM kept (kernel report)"
 _WAVE80 = "; merge: 8192-element waves, 2 programs/SM on paged16 (enough in flight; kernel report, simulator)"
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
