@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
-from helpers import make_inputs
+from helpers import ATOL, make_inputs
 
 import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def make_feature_inputs(lens, hq, hkv, d, dtype, layout="contiguous", tq=1, cache_dtype=None, leftpad=None,

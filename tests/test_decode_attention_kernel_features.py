@@ -11,7 +11,7 @@ sm_90 by tests/test_kernel_report.py and run on a GPU by tests/gpu.
 
 import pytest
 import torch
-from helpers import LAYOUTS
+from helpers import ATOL, LAYOUTS
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 import lean_tp
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
 )
 
-ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 FEATURE_ARGS = ("cache_leftpad", "k_scale", "v_scale", "softcap", "window", "sinks")
 
 

@@ -10,6 +10,8 @@ The rows of one head unit are the Tq query tokens x the GQA group of one KV head
 that are not a power of two are padded to BLOCK_D with masked loads.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -28,6 +30,10 @@ from lean_tp.ops.decode_attention.schedule import (
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
 E4M3_BITS_SCALE = tl.constexpr(256.0)  # see _upcast
+# The Triton interpreter computes bf16 arithmetic wrongly (numpy has no bf16; its loads, stores and
+# conversions are exact), so there q is upcast on loading and the dots take fp32 operands. Read
+# when the module is imported, as ``triton.jit`` reads it; compiled kernels never see the branch.
+BF16_DOTS_IN_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -304,12 +310,15 @@ def _seq_base(leftpad_ptr, b, valid, HAS_LEFTPAD: tl.constexpr):
 @triton.jit
 def _load_q(q_ptr, b, hu, valid, stride_qb, stride_qt, stride_qh, GROUP: tl.constexpr, TQ: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):  # fmt: skip
-    """The query rows of head unit hu of sequence b ([BLOCK_G, BLOCK_D] in q's dtype; zero past the
-    rows and past HEAD_DIM), or nothing loaded when not ``valid``."""
+    """The query rows of head unit hu of sequence b ([BLOCK_G, BLOCK_D] in q's dtype, fp32 for bf16 in
+    the interpreter; zero past the rows and past HEAD_DIM), or nothing loaded when not ``valid``."""
     o_t, o_h, m_g = _rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
     o_d = tl.arange(0, BLOCK_D)
     o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
-    return _load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
+    b_q = _load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
+    if BF16_DOTS_IN_FP32 and b_q.dtype == tl.bfloat16:
+        b_q = b_q.to(tl.float32)
+    return b_q
 
 
 @triton.jit
