@@ -26,7 +26,6 @@ if "--dry" in sys.argv:  # the dry run executes Triton kernels in the interprete
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import argparse
 import csv
 import math
 import os
@@ -37,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from peers import PEERS
-from tqdm import tqdm
 
+from lean_tp import cli
 from lean_tp.model import CONFIGS
 
 L2_ROTATION_FACTOR = 4  # bytes touched between two replays of one input set >= 4 x L2: the L2 is cold
@@ -71,6 +70,10 @@ def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
     allow; the smallest reachable ratio is 1 / batch)."""
     rest = max(1, round((ratio * batch * max_len - max_len) / (batch - 1)))
     return (max_len,) + (min(rest, max_len),) * (batch - 1)
+
+
+# Every sweep's name, as --sweeps takes it and the shapes' ``sweep`` field holds it.
+SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window")
 
 
 def sweeps(quick: bool, dry: bool) -> list[Shape]:
@@ -265,18 +268,18 @@ def environment(device: torch.device, copy_bw: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="bench_decode.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short sweep: under 8 minutes on one H100")
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes, torch backend: check the plumbing")
-    p.add_argument("--dtypes", nargs="+", choices=("fp16", "bf16"),
+    p.add_argument("--dtypes", nargs="+", type=cli.choice("fp16", "bf16"),
                    help="default: bf16 with --quick, else both; fp32 with --dry (fp16 there runs the fp8 rows)")
-    p.add_argument("--sweeps", nargs="+", help="only these sweeps (context heads batch ragged models gqa)")
-    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
-    p.add_argument("--reps", type=int, default=60)
-    p.add_argument("--out", default="out/bench")
+    p.add_argument("--sweeps", nargs="+", type=cli.choice(*SWEEPS), help=f"only these sweeps ({' '.join(SWEEPS)})")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), type=cli.choice(*PEERS))
+    p.add_argument("--reps", type=cli.integer(1, 100_000), default=60)
+    p.add_argument("--out", type=cli.output_dir, default="out/bench")
     args = p.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
-        raise SystemExit("bench_decode: needs a CUDA device; use --dry on CPU")
+        p.fail("--dry", "--dry on a machine without a CUDA device (timings need one)", "no --dry")
     device = torch.device("cpu" if args.dry else "cuda")
     names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     default = ["fp32"] if args.dry else ["bf16"] if args.quick else ["fp16", "bf16"]
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shapes = [s for s in sweeps(args.quick, args.dry) if not args.sweeps or s.sweep in args.sweeps]
     timer = Timer(device, 5 if args.dry else args.reps)
     rows = [bench_shape(s, dt, device, peers, timer, copy_bw, l2)
-            for dt, s in tqdm([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")]
+            for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")]
     write_results(rows, env, args.out)
     return rows
 

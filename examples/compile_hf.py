@@ -15,21 +15,23 @@ model generates from the same prompts, and every token must match.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-import lean_tp.integrations.transformers as lean_hf
+from lean_tp import cli
 from lean_tp.model import CONFIGS
-from example_utils import TINY_HF_LLAMA, TokenProgress, parse_prompt_lens, random_left_padded_batch
+from example_utils import MAX_GEN, TINY_HF_LLAMA, TokenProgress, check_positions, prompt_lens_flag, random_left_padded_batch
+
+DTYPES = ("bfloat16", "float16", "float32")
 
 
+def hf_config(name: str):
+    """A ``LlamaConfig`` of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
+    from transformers import LlamaConfig
 
-def hf_config(name: str) -> LlamaConfig:
-    """A Llama config of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
     if name == "tiny":
         return LlamaConfig(**TINY_HF_LLAMA)
     a = CONFIGS[name]
@@ -39,6 +41,8 @@ def hf_config(name: str) -> LlamaConfig:
 
 
 def load(args, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, attn_implementation=attn_implementation, dtype=dtype)
@@ -49,25 +53,35 @@ def load(args, attn_implementation: str):
     return model.to(args.device).eval()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="Hugging Face model directory (real weights)")
-    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS),
+def parse_args(argv: list[str] | None):
+    p = cli.ArgumentParser(prog="compile_hf.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=cli.existing_dir, help="Hugging Face model directory (real weights)")
+    p.add_argument("--config", default="tiny", type=cli.choice(*sorted(CONFIGS)),
                    help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)")
-    p.add_argument("--attention", default="lean", choices=["lean", "sdpa"], help="sdpa: the same run without lean")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", default="9,33,64,100", help="one length, or a comma list of --batch lengths")
-    p.add_argument("--gen", type=int, default=32)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="lean", type=cli.choice("lean", "sdpa"), help="sdpa: the same run without lean")
+    p.add_argument("--batch", type=cli.integer(1, 4096), default=4)
+    p.add_argument("--prompt-len", type=cli.integer_list(1), default="9,33,64,100",
+                   help="one length, or a comma list of --batch lengths")
+    p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=32)
+    p.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", type=cli.choice(*DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with an eager SDPA copy")
     args = p.parse_args(argv)
-    try:
-        lens = parse_prompt_lens(args.prompt_len, args.batch)
-    except ValueError as exc:
-        p.error(str(exc))
+    args.lens = prompt_lens_flag(p, args.prompt_len, args.batch)
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
+    max_len = TINY_HF_LLAMA["max_position_embeddings"] if args.config == "tiny" else CONFIGS[args.config].max_seq_len
+    if not args.checkpoint:
+        check_positions(p, args.lens, args.gen, max_len, args.config)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import lean_tp.integrations.transformers as lean_hf
+
+    lens = args.lens
     print("building the model, compiling it and generating (first call: torch.compile, ~30-60 s on CPU) ...", flush=True)
     model = load(args, lean_hf.register() if args.attention == "lean" else "sdpa")
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA
@@ -84,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     print(f"{args.attention} attention, compiled with fullgraph=True: {breaks} graph breaks; batch {args.batch}, prompt lengths "
-          f"{args.prompt_len}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)")
+          f"{','.join(map(str, lens))}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)")
     if not args.check:
         return 0
     print("check: generating the same tokens with an eager SDPA copy ...", flush=True)

@@ -17,67 +17,10 @@ import os
 import statistics
 import sys
 
-from example_utils import parse_prompt_lens
+import torch
 
-# --dtype's names, and the torch dtype each one means
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
-               "float32": "float32"}
-
-
-def make_parser(model_names: list[str] | None = None, timeout_default: float | None = None) -> argparse.ArgumentParser:
-    """The CLI. Without ``model_names`` it needs no torch: the early check before the imports uses it."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=model_names is not None)
-    p.add_argument("--model", default="tiny", choices=model_names, help="built-in config, random weights")
-    p.add_argument("--checkpoint", help="Hugging Face directory (config.json + *.safetensors); overrides --model")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", default="32,64,96,128",
-                   help="one length for every sequence, or a comma list of --batch lengths (ragged batch)")
-    p.add_argument("--gen", type=int, default=64, help="tokens to generate per sequence")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attention", choices=("lean", "sdpa"), default="lean", help="decode attention")
-    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
-                   help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=timeout_default, help="seconds before a stuck collective fails the job")
-    p.add_argument("--check", action="store_true", help="compare against the same model in one process")
-    return p
-
-
-def fail(p: argparse.ArgumentParser, message: str):
-    """One argparse-style line from rank 0 and exit status 2 on every rank, never a traceback per rank."""
-    if os.environ.get("RANK", "0") != "0":
-        # torchrun stops every rank once one exits: give rank 0 the moment it needs to print first.
-        import time
-
-        time.sleep(1.0)
-        sys.exit(2)
-    p.error(message)
-
-
-def check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The checks that read only the flags; sets ``args.prompt_lens``."""
-    try:
-        args.prompt_lens = parse_prompt_lens(args.prompt_len, args.batch)
-        if args.gen < 1:
-            raise ValueError(f"--gen: expected >= 1 tokens to generate, got {args.gen}")
-        if args.timeout is not None and not args.timeout > 0:
-            raise ValueError(f"--timeout: expected seconds > 0, got {args.timeout}")
-        if args.kv_dtype == "fp8" and DTYPE_NAMES.get(args.dtype) not in ("bfloat16", "float16"):
-            raise ValueError(f"--dtype: expected bf16 or fp16 with --kv-dtype fp8 (q in 16 bits), got {args.dtype}")
-    except ValueError as exc:
-        fail(p, str(exc))
-
-
-if __name__ == "__main__":  # before torch is imported: a bad value fails in a fraction of a second
-    _early = make_parser()
-    check_values(_early, _early.parse_known_args()[0])
-
-import torch  # noqa: E402
-
-from lean_tp.distributed import (  # noqa: E402
+from lean_tp import cli
+from lean_tp.distributed import (
     DistContext,
     all_ranks_agree,
     apply_tp,
@@ -88,13 +31,16 @@ from lean_tp.distributed import (  # noqa: E402
     shutdown,
     torchrun_env,
 )
-from lean_tp.distributed.env import DEFAULT_TIMEOUT_S  # noqa: E402
-from lean_tp.generate import Generation, decode_one, generate  # noqa: E402
-from lean_tp.model import CONFIGS, FP8_KV_DTYPE, ModelArgs, Transformer, build_model  # noqa: E402
-from lean_tp.profiling import attention_fraction  # noqa: E402
-from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config  # noqa: E402
-from example_utils import make_prompts  # noqa: E402
+from lean_tp.distributed.env import DEFAULT_TIMEOUT_S
+from lean_tp.generate import Generation, decode_one, generate
+from lean_tp.model import CONFIGS, FP8_KV_DTYPE, ModelArgs, Transformer, build_model
+from lean_tp.profiling import attention_fraction
+from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
+from example_utils import MAX_GEN, check_positions, make_prompts, prompt_lens_flag
 
+# --dtype's names, and the torch dtype each one means
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
+               "float32": "float32"}
 DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 # (atol, rtol) on logits for --check. fp32: TP only reorders the row-parallel sums (~1e-6).
 # fp16/bf16: activations are rounded at every layer boundary, so a few ulps accumulate over layers.
@@ -106,15 +52,52 @@ PROFILE_STEPS = 8
 PROGRESS_MIN_STEPS = 100
 
 
+def make_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="decode_tp.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", type=cli.choice(*sorted(CONFIGS)), help="built-in config, random weights")
+    p.add_argument("--checkpoint", type=cli.existing_dir,
+                   help="Hugging Face directory (config.json + *.safetensors); overrides --model")
+    p.add_argument("--batch", type=cli.integer(1, 4096), default=4)
+    p.add_argument("--prompt-len", type=cli.integer_list(1), default="32,64,96,128",
+                   help="one length for every sequence, or a comma list of --batch lengths (ragged batch)")
+    p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=64, help="tokens to generate per sequence")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
+    p.add_argument("--device", type=cli.choice("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--dtype", type=cli.choice(*sorted(DTYPE_NAMES)), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention", type=cli.choice("lean", "sdpa"), default="lean", help="decode attention")
+    p.add_argument("--kv-dtype", type=cli.choice("auto", "fp8"), default="auto",
+                   help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)")
+    p.add_argument("--seed", type=cli.integer(0), default=0)
+    p.add_argument("--timeout", type=cli.number(0, strict_lo=True), default=DEFAULT_TIMEOUT_S,
+                   help="seconds before a stuck collective fails the job")
+    p.add_argument("--check", action="store_true", help="compare against the same model in one process")
+    return p
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Every check that needs no device runs here, before the process group is joined."""
-    p = make_parser(sorted(CONFIGS), DEFAULT_TIMEOUT_S)
+    """Every check that needs no device runs here, before the process group is joined: a mistake
+    ends every rank with one line from rank 0 (``cli.ArgumentParser``)."""
+    p = make_parser()
     args = p.parse_args(argv)
-    check_values(p, args)
+    args.prompt_lens = prompt_lens_flag(p, args.prompt_len, args.batch)
+    if args.kv_dtype == "fp8" and DTYPE_NAMES.get(args.dtype) not in ("bfloat16", "float16"):
+        p.fail("--dtype", "bf16 or fp16 with --kv-dtype fp8 (q in 16 bits)", args.dtype)
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
     try:
-        check_shardable(model_config(args), torchrun_env()[1])
+        config = model_config(args)
     except ValueError as exc:
-        fail(p, str(exc))
+        p.fail("--checkpoint", f"a supported model ({exc})", args.checkpoint)
+    check_positions(p, args.prompt_lens, args.gen, config.max_seq_len, args.checkpoint or args.model)
+    try:
+        world_size = torchrun_env()[1]
+    except ValueError as exc:  # a launcher's environment, not a flag
+        p.error(str(exc))
+    try:
+        check_shardable(config, world_size)
+    except ValueError as exc:
+        p.error(f"argument {'--checkpoint' if args.checkpoint else '--model'}: {exc}")
     return args
 
 
@@ -174,9 +157,11 @@ def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt
     diff = (result.logits - ref.logits).abs().max().item()
     if not torch.allclose(result.logits, ref.logits, atol=atol, rtol=rtol):
         return False, f"final logits differ: max |diff| {diff:.3g} exceeds atol {atol:g} + rtol {rtol:g}"
-    ties = int(differ.sum())
-    note = f", {ties} near-tie token(s) within {tie:.2g}" if ties else ""
-    return True, f"{result.tokens.numel()} tokens identical{note}; final logits max |diff| {diff:.2g}"
+    ties, total = int(differ.sum()), result.tokens.numel()
+    tokens = f"{total - ties} of {total} tokens identical"
+    if ties:
+        tokens += f", {ties} differ at near-ties (the single process scores the sharded run's token within {tie:.2g} of its own)"
+    return True, f"{tokens}; final logits max |diff| {diff:.2g}"
 
 
 def report(args, ctx, dtype, prompt_lens, result: Generation, share: float | None, grids: list) -> None:

@@ -18,21 +18,23 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
+import types
 
 import torch
-import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from lean_tp.distributed import DistContext, all_ranks_agree
-from lean_tp.integrations.deepspeed import init_inference
-from example_utils import TINY_HF_LLAMA, parse_prompt_lens, random_left_padded_batch
+from lean_tp import cli
+from example_utils import MAX_GEN, TINY_HF_LLAMA, check_positions, prompt_lens_flag, random_left_padded_batch
 
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def load(args) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
         return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).eval()
@@ -40,18 +42,44 @@ def load(args) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(LlamaConfig(**TINY_HF_LLAMA), dtype=dtype).eval()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="Hugging Face model directory; default a tiny random Llama")
-    p.add_argument("--batch", type=int, default=3)
-    p.add_argument("--prompt-len", default="5,17,40", help="one length, or a comma list of --batch lengths")
-    p.add_argument("--gen", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
-    p.add_argument("--seed", type=int, default=0)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.ArgumentParser(prog="deepspeed_inference.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=cli.existing_dir, help="Hugging Face model directory; default a tiny random Llama")
+    p.add_argument("--batch", type=cli.integer(1, 4096), default=3)
+    p.add_argument("--prompt-len", type=cli.integer_list(1), default="5,17,40",
+                   help="one length, or a comma list of --batch lengths")
+    p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=16)
+    p.add_argument("--dtype", type=cli.choice(*DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with the unsharded model")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
-    lens = parse_prompt_lens(args.prompt_len, args.batch)
+    args.lens = prompt_lens_flag(p, args.prompt_len, args.batch)
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
+    if not args.checkpoint:
+        check_positions(p, args.lens, args.gen, TINY_HF_LLAMA["max_position_embeddings"], "the tiny Llama")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = json.loads(open(os.path.join(args.checkpoint, "config.json")).read()) if args.checkpoint else TINY_HF_LLAMA
+    try:
+        from lean_tp.integrations.deepspeed import check_tp_heads
+
+        check_tp_heads(types.SimpleNamespace(**config), world)
+    except (ValueError, AttributeError) as exc:
+        p.error(f"world size {world} (the launcher's --nproc_per_node or --num_gpus): {exc}")
+    if args.dtype == "float16" and not torch.cuda.is_available():
+        p.fail("--dtype", "bfloat16 or float32 on CPU (DeepSpeed rejects float16 there)", args.dtype)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    from lean_tp.distributed import DistContext, all_ranks_agree
+    from lean_tp.integrations.deepspeed import init_inference
+
+    lens = args.lens
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if not torch.cuda.is_available():
         # torchrun gives each CPU rank one thread; the deepspeed launcher leaves every rank on all
@@ -69,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     ok = True
     if rank == 0:
-        print(f"deepspeed AutoTP, tp {world}, lean attention: batch {args.batch}, prompt lengths {args.prompt_len}, "
+        print(f"deepspeed AutoTP, tp {world}, lean attention: batch {args.batch}, prompt lengths {','.join(map(str, lens))}, "
               f"{args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s)")
     if args.check:
         if rank == 0:

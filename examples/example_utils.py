@@ -1,4 +1,4 @@
-"""What the examples share and the library does not need: CLI parsing and random prompts.
+"""What the examples share and the library does not need: prompt flags, random prompts, progress.
 
 The examples run as scripts (``python examples/x.py``), so this directory is on ``sys.path`` and
 they import it as ``example_utils``; the tests put it on the path too.
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where it is used: decode_tp checks its flags before importing it
+from lean_tp import cli
+
+if TYPE_CHECKING:
     import torch
 
 # A Llama small enough for CPU runs of the Hugging Face examples (transformers.LlamaConfig kwargs).
@@ -16,19 +18,28 @@ TINY_HF_LLAMA = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_
                      intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)  # fmt: skip
 
 
-def parse_prompt_lens(text: str, batch: int) -> list[int]:
-    """``--prompt-len``: one length for every sequence, or one per sequence. ``ValueError`` names the flag."""
-    try:
-        lens = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--prompt-len: expected an integer or a comma list of integers, got {text!r}") from None
-    if batch < 1:
-        raise ValueError(f"--batch: expected >= 1, got {batch}")
+# Tokens one run may generate per sequence: far beyond any model's context, so that a typo fails
+# as a flag error rather than as an allocation.
+MAX_GEN = 1 << 20
+
+
+def prompt_lens_flag(p: cli.ArgumentParser, lens: list[int], batch: int) -> list[int]:
+    """``--prompt-len`` (a list of lengths >= 1, by its ``cli.integer_list`` type) for ``batch``
+    sequences: one length for every sequence, or one per sequence."""
     if len(lens) == 1:
-        lens = lens * batch
-    if len(lens) != batch or min(lens) < 1:
-        raise ValueError(f"--prompt-len: expected 1 or --batch ({batch}) lengths, each >= 1, got {text!r}")
+        return lens * batch
+    if len(lens) != batch:
+        p.fail("--prompt-len", f"1 or --batch ({batch}) lengths", ",".join(map(str, lens)))
     return lens
+
+
+def check_positions(p: cli.ArgumentParser, prompt_lens: list[int], gen: int, positions: int, model: str) -> None:
+    """The longest prompt and the tokens generated after it must fit in the model's positions."""
+    if max(prompt_lens) + 1 > positions:
+        p.fail("--prompt-len", f"prompts shorter than {model}'s {positions} positions", ",".join(map(str, prompt_lens)))
+    if max(prompt_lens) + gen > positions:
+        p.fail("--gen", f"<= {positions - max(prompt_lens)} tokens after a {max(prompt_lens)}-token prompt "
+               f"({model} has {positions} positions)", str(gen))
 
 
 def make_prompts(prompt_lens: list[int], vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -62,9 +73,9 @@ class TokenProgress:
     """
 
     def __init__(self, steps: int, desc: str) -> None:
-        from tqdm import tqdm
-
-        self.bar, self.prompt_seen = tqdm(total=steps, desc=desc, unit="token", leave=False), False
+        # No remaining-time estimate: a compile run spends its first step compiling.
+        self.bar = cli.progress(total=steps, desc=desc, unit="token", leave=False, eta=False)
+        self.prompt_seen = False
 
     def put(self, _tokens) -> None:
         if self.prompt_seen:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
+from lean_tp.cli import progress as progress_bar
 from lean_tp.model import Transformer
 
 StepFn = Callable[[Transformer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -99,7 +99,7 @@ def generate(model: Transformer, prompt: torch.Tensor, prompt_lens: list[int], g
     next_tok = record(0, logits.argmax(-1), logits)
     clock = _Clock(device)
     clock.mark()
-    for i in tqdm(range(1, gen), disable=not progress, desc="decode", unit="tok"):
+    for i in progress_bar(range(1, gen), disable=not progress, desc="decode", unit="tok"):
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         out_tok, logits = step(model, next_tok, lens)

@@ -26,7 +26,6 @@ On CPU the schedule code runs in the Triton interpreter; this module re-executes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import json
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lean_tp import cli
 from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule, merge_plan
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import config_for
@@ -127,6 +127,10 @@ class Problem:
         lens = f"len {self.lens[0]}" if len(set(self.lens)) == 1 else f"lens {min(self.lens)}-{max(self.lens)} (mean {sum(self.lens) // len(self.lens)})"
         return f"B={len(self.lens)} Hq={self.n_heads} Hkv={self.n_kv_heads} D={self.head_dim} {lens}"
 
+
+# Flag bounds: beyond every model's context and head count, and small enough that the schedule's
+# int32 tile counts and the event simulation stay within reach.
+MAX_LEN, MAX_BATCH, MAX_HEADS = 1 << 24, 4096, 1024
 
 # Full (unsharded) attention head counts of the tensor-parallel presets: (Hq, Hkv, D).
 MODEL_PRESETS = {
@@ -355,9 +359,7 @@ def table_rows_parallel(problems: list[Problem], gpus: list[str], programs_per_s
     unique = list(dict.fromkeys(jobs))
     calls = [(prob, [gpu], programs_per_sm) for prob, gpu in unique]
     if torch.cuda.is_available():
-        from tqdm import tqdm
-
-        results = [table_rows(*call) for call in tqdm(calls, desc="simulating", unit="run", disable=not progress, file=sys.stderr)]
+        results = [table_rows(*call) for call in cli.progress(calls, desc="simulating", unit="run", disable=not progress)]
     else:  # the workers inherit TRITON_INTERPRET=1
         results = map_in_processes(table_rows, calls, "simulating", "run", workers, progress)
     done = {job: rows[0] for job, rows in zip(unique, results)}
@@ -470,61 +472,46 @@ def _ensure_schedule_backend(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "lean_tp.simulate", *argv], os.environ | {"TRITON_INTERPRET": "1"})
 
 
-def parse_lens(text: str, batch: int) -> tuple[int, ...]:
-    try:
-        lens = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--lens: expected an integer or a comma list of integers, got {text!r}") from None
-    if min(lens) < 0:
-        raise ValueError(f"--lens: expected lengths >= 0, got {text!r}")
-    return lens * batch if len(lens) == 1 else lens
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lean_tp.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpu", nargs="+", default=list(GPUS), choices=list(GPUS), help="GPUs to model (A100 H100)")
-    p.add_argument("--batch", type=int, default=4, help="sequences, when --lens is one length")
-    p.add_argument("--heads", type=int, default=32, help="query heads (with --tp: of the whole model)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (with --tp: of the whole model)")
-    p.add_argument("--model", choices=list(MODEL_PRESETS), help="head counts and head_dim of a preset model")
-    p.add_argument("--tp", type=int, help="tensor-parallel size: simulate one rank's heads (1; 8 with --tp-sweep)")
-    p.add_argument("--lens", default="16384", help="one length for every sequence, or a comma list (ragged)")
-    p.add_argument("--capacity", type=int, default=0, help="KV cache capacity fixed-split kernels size splits from")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--programs-per-sm", type=int, help="lean grid = SMs x this (default: the tuning table's cap)")
+def _parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m lean_tp.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpu", nargs="+", default=list(GPUS), type=cli.choice(*GPUS), help="GPUs to model (A100 H100)")
+    p.add_argument("--batch", type=cli.integer(1, MAX_BATCH), default=4, help="sequences, when --lens is one length")
+    p.add_argument("--heads", type=cli.integer(1, MAX_HEADS), default=32, help="query heads (with --tp: of the whole model)")
+    p.add_argument("--kv-heads", type=cli.integer(1, MAX_HEADS), default=8, help="KV heads (with --tp: of the whole model)")
+    p.add_argument("--model", type=cli.choice(*MODEL_PRESETS), help="head counts and head_dim of a preset model")
+    p.add_argument("--tp", type=cli.integer(1, MAX_HEADS), help="tensor-parallel size: simulate one rank's heads (1; 8 with --tp-sweep)")
+    p.add_argument("--lens", type=cli.integer_list(0, MAX_LEN), default="16384",
+                   help="one length for every sequence, or a comma list (ragged)")
+    p.add_argument("--capacity", type=cli.integer(0, MAX_LEN), default=0,
+                   help="KV cache capacity fixed-split kernels size splits from")
+    p.add_argument("--head-dim", type=cli.integer(1, 1024), default=128)
+    p.add_argument("--programs-per-sm", type=cli.integer(1, 64), help="lean grid = SMs x this (default: the tuning table's cap)")
     p.add_argument("--paper", action="store_true", help="the paper's shapes instead of one problem")
     p.add_argument("--tp-sweep", action="store_true", help="every preset at --tp (default 8), batch 1-64, context 1k-1M")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout, no table)")
-    p.add_argument("--plot", metavar="PNG", help="a Gantt chart (one problem, first --gpu) or the sweep's speedups")
+    p.add_argument("--json", metavar="PATH", type=cli.output_file, help="also write the rows as JSON to PATH ('-': stdout, no table)")
+    p.add_argument("--plot", metavar="PNG", type=cli.output_file,
+                   help="a Gantt chart (one problem, first --gpu) or the sweep's speedups")
     return p
-
-
-def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every value checked before any work: one line naming the flag, exit status 2."""
-    for flag in ("batch", "tp", "head_dim"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
-    if args.programs_per_sm is not None and args.programs_per_sm < 1:
-        p.error(f"--programs-per-sm: expected an integer >= 1, got {args.programs_per_sm}")
-    for path in (args.plot, None if args.json in (None, "-") else args.json):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"--{'plot' if path == args.plot else 'json'}: expected a path in an existing directory, got {path!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = _parser()
     args = p.parse_args(argv)
-    _check_args(p, args)
+    if args.plot == "-":
+        p.fail("--plot", "a PNG file path", args.plot)
     if args.tp is None:
         args.tp = 8 if args.tp_sweep else 1
+    if args.model:
+        args.heads, args.kv_heads, args.head_dim = MODEL_PRESETS[args.model]
+    lens = tuple(args.lens) * args.batch if len(args.lens) == 1 else tuple(args.lens)
     try:
-        if args.model:
-            args.heads, args.kv_heads, args.head_dim = MODEL_PRESETS[args.model]
         heads, kv_heads = rank_heads(args.heads, args.kv_heads, args.tp)
-        problem = Problem(parse_lens(args.lens, args.batch), heads, kv_heads, args.head_dim, args.capacity)
-    except ValueError as e:
-        p.error(str(e))
+        problem = Problem(lens, heads, kv_heads, args.head_dim, args.capacity)
+    except ValueError as e:  # a rule across flags: name the flag the message's argument comes from
+        name, _, rest = str(e).partition(": ")
+        flag = {"--tp": "--tp", "lens": "--lens", "n_heads": "--heads", "capacity": "--capacity", "head_dim": "--head-dim"}
+        p.error(f"argument {flag[name]}: {rest}" if name in flag else str(e))
     _ensure_schedule_backend(argv)
     if args.tp_sweep:
         cases = tp_sweep_problems(args.tp)

@@ -13,7 +13,6 @@ step's status, ready to commit as docs/results/. See docs/gpu.md.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -118,17 +117,19 @@ def write_record(out: str, env: dict, steps: list[dict], found_packages: dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
-    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS),
+    from lean_tp import cli
+
+    parser = cli.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=cli.output_dir, default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
+    parser.add_argument("--groups", nargs="+", type=cli.choice(*GROUPS), default=list(GROUPS),
                         help="run only these groups, e.g. one group per time-limited device call")
-    parser.add_argument("--budget", type=float, default=480, help="seconds for all steps together (480)")
+    parser.add_argument("--budget", type=cli.number(MIN_STEP_SECONDS, 24 * 3600), default=480,
+                        help="seconds for all steps together (480)")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device visible to torch {torch.__version__}; nothing to check", file=sys.stderr)
-        return 2
+        parser.error(f"no CUDA device visible to torch {torch.__version__}; nothing to check (run it on a GPU machine)")
     from bench_decode import copy_bandwidth, environment
 
     os.makedirs(args.out, exist_ok=True)

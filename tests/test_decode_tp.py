@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from example_utils import parse_prompt_lens
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_tp.py"
@@ -42,7 +41,7 @@ def test_tp_matches_single_process(world):
     """Ragged batch; 4 and 8 ranks replicate tiny's 2 KV heads."""
     out = _expect_ok(_torchrun(world, EXAMPLE, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
     assert f"world {world}" in out and f"rank {world - 1}:" in out
-    assert "check: OK (48 tokens identical" in out, out
+    assert "check: OK (48 of 48 tokens identical" in out, out
 
 
 def test_tp_compiled_matches_single_process():
@@ -78,23 +77,9 @@ def test_unshardable_heads_fail_on_every_rank():
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and "Traceback" not in err
-        message = "cannot shard attention: expected n_heads divisible by world_size, got n_heads=8, n_kv_heads=2, world_size=3"
+        message = ("decode_tp.py: error: argument --model: cannot shard attention: expected n_heads divisible by "
+                   "world_size, got n_heads=8, n_kv_heads=2, world_size=3")
         assert (message in err) == (rank == 0), err
-
-
-@pytest.mark.parametrize("flags,match", [
-    (["--gen", "0"], "error: --gen: expected >= 1"),
-    (["--prompt-len", "4,5", "--batch", "3"], "error: --prompt-len: expected 1 or --batch (3) lengths"),
-    (["--timeout", "-1"], "error: --timeout: expected seconds > 0"),
-    (["--batch", "x"], "error: argument --batch: invalid int value"),
-])  # fmt: skip
-def test_bad_cli_values_fail_in_one_line_before_torch_is_imported(flags, match, tmp_path):
-    # A torch that cannot be imported: the error must come from the flags, not from the import.
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported before the flags were checked')")
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
@@ -125,18 +110,3 @@ def test_torchrun_stops_all_ranks_when_one_raises():
     assert "injected failure on rank 1" in proc.stderr
     assert time.monotonic() - start < 60  # well before the 60 s collective timeout would fire
 
-
-@pytest.mark.parametrize("text,batch,match", [
-    ("5,6", 3, r"expected 1 or --batch \(3\) lengths"),
-    ("5,0", 2, "each >= 1"),
-    ("a,b", 2, "expected an integer or a comma list"),
-    ("5", 0, "--batch: expected >= 1"),
-])
-def test_bad_prompt_lengths(text, batch, match):
-    with pytest.raises(ValueError, match=match):
-        parse_prompt_lens(text, batch)
-
-
-def test_prompt_lengths():
-    assert parse_prompt_lens("7", 3) == [7, 7, 7]
-    assert parse_prompt_lens("1,2,3", 3) == [1, 2, 3]

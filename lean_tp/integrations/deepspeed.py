@@ -18,7 +18,9 @@ leaves behind are removed at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
+import io
 import os
 from typing import Any
 
@@ -102,11 +104,16 @@ def init_inference(model: nn.Module, tp_size: int, **kwargs: Any):
     if on_cpu:
         # Must precede DeepSpeed's first all-reduce, which sizes its shared memory from it.
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
+        # Named, DeepSpeed does not guess it and warn once per rank that it guessed.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         atexit.register(_remove_shm_buffers)
     import deepspeed
 
     model.set_attn_implementation(register())
     kwargs.setdefault("dtype", dtype)
-    return deepspeed.init_inference(
-        model, tensor_parallel={"tp_size": tp_size}, replace_with_kernel_inject=False, injection_policy=policy, **kwargs
-    )
+    # DeepSpeed prints its op-build banners on stdout once per rank: rank 0's copy is enough.
+    quiet = os.environ.get("RANK", "0") != "0"
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return deepspeed.init_inference(
+            model, tensor_parallel={"tp_size": tp_size}, replace_with_kernel_inject=False, injection_policy=policy, **kwargs
+        )

@@ -30,7 +30,6 @@ No GPU is needed: ``ptxas`` and ``cuobjdump`` come with Triton.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -41,6 +40,8 @@ import sys
 import tempfile
 
 import torch
+
+from lean_tp import cli
 
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -282,7 +283,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse_overrides(p: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
+def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
     from lean_tp.ops.decode_attention.tuning import DecodeConfig
 
     fields = [f.name for f in dataclasses.fields(DecodeConfig) if f.type in (int, "int")]
@@ -290,21 +291,19 @@ def _parse_overrides(p: argparse.ArgumentParser, items: list[str]) -> tuple[tupl
     for item in items:
         name, _, value = item.partition("=")
         if name not in fields or not value.isdigit():
-            p.error(f"--set: expected FIELD=INTEGER with FIELD one of {fields}, got {item!r}")
+            p.fail("--set", f"FIELD=INTEGER with FIELD one of {', '.join(fields)}", item)
         overrides.append((name, int(value)))
     return tuple(overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lean_tp.ops.kernel_report", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="python -m lean_tp.ops.kernel_report", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object per kernel instead of markdown")
     p.add_argument("--variants", action="store_true", help="also compile bf16, other groups and left padding")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="trial: replace a tuning-table field (e.g. block_n=128) in every entry")
-    p.add_argument("--workers", type=int, default=None, help="parallel compiles (default: one per core)")
+    p.add_argument("--workers", type=cli.integer(1, 256), default=None, help="parallel compiles (default: one per core)")
     args = p.parse_args(argv)
-    if args.workers is not None and args.workers < 1:
-        p.error(f"--workers: expected >= 1, got {args.workers}")
     rows = run_report(report_jobs(args.variants, _parse_overrides(p, args.set)), args.workers)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))

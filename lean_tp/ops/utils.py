@@ -3,7 +3,6 @@ flash-linear-attention): nothing here knows about one op."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,13 +29,13 @@ def map_in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], desc: str, u
     import multiprocessing
     import os
 
-    from tqdm import tqdm
+    from lean_tp.cli import progress as progress_bar
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
-        for _ in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc=desc, unit=unit,
-                      disable=not progress, file=sys.stderr):  # fmt: skip
+        for _ in progress_bar(concurrent.futures.as_completed(futures), total=len(futures), desc=desc, unit=unit,
+                              disable=not progress):  # fmt: skip
             pass
         return [f.result() for f in futures]
 
