@@ -72,6 +72,9 @@ def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
     return (max_len,) + (min(rest, max_len),) * (batch - 1)
 
 
+# Timed calls per peer in a dry run: CPU timings check the plumbing, not speed, and each interpreted
+# Triton call takes a few tenths of a second.
+DRY_REPS = 3
 # Every sweep's name, as --sweeps takes it and the shapes' ``sweep`` field holds it.
 SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window")
 
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("dry run: CPU timings say nothing about GPU speed; Triton kernels (lean, flash-decoding) run in the "
               "interpreter and are compared only with each other", flush=True)
     shapes = [s for s in sweeps(args.quick, args.dry) if not args.sweeps or s.sweep in args.sweeps]
-    timer = Timer(device, 5 if args.dry else args.reps)
+    timer = Timer(device, DRY_REPS if args.dry else args.reps)
     rows = [bench_shape(s, dt, device, peers, timer, copy_bw, l2)
             for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")]
     write_results(rows, env, args.out)

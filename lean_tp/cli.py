@@ -187,13 +187,14 @@ class _Lines(io.TextIOBase):
     """A file for tqdm that turns its redrawn status line into one plain line per update."""
 
     def __init__(self, stream: Any) -> None:
-        self.stream = stream
+        self.stream, self.last = stream, ""
 
     def write(self, text: str) -> int:
         line = text.replace("\r", "").rstrip()
-        if line:
+        if line and line != self.last:  # tqdm redraws the final state when it closes
             self.stream.write(line + "\n")
             self.stream.flush()
+            self.last = line
         return len(text)
 
     def flush(self) -> None:

@@ -70,10 +70,11 @@ def plan_of(inputs: dict, num_programs: int) -> dict:
     return merge_plan(lean_schedule(lens.to(torch.int32), hkv, TILE, num_programs, **span))
 
 
-@pytest.mark.parametrize("tq,group", [(1, 1), (1, 4), (1, 8), (4, 2)])
+@pytest.mark.parametrize("tq,group", [(1, 1), (4, 2)])
 def test_one_output_split_over_the_whole_grid(tq, group):
     """B=1 with one KV head, the tensor-parallel shape: 63 programs of a 64-program grid share the
-    output, merged by 8 groups and a second level (a chain of 8 + 8 partials)."""
+    output, merged by 8 groups and a second level (a chain of 8 + 8 partials). Every group up to 16
+    rows fills the same 16-row block (masked rows differ); ragged and feature cases follow below."""
     inputs = make_feature_inputs([WHOLE_GRID], group, 1, 64, torch.float32, "paged16", tq=tq, seed=10 * tq + group)
     out, lse, counters = run(inputs, 64)
     assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])

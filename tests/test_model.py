@@ -29,6 +29,9 @@ HF_MODELS = {
 SMALL_ARGS = replace(CONFIGS["tiny"], vocab_size=128, dim=256, n_heads=4, n_kv_heads=2, intermediate_size=256)
 
 
+pytestmark = pytest.mark.xdist_group("hf_checkpoints")  # one worker: each checkpoint is written once
+
+
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))
 def hf_checkpoint(request, tmp_path_factory):
     cls, config = HF_MODELS[request.param]
