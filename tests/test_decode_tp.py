@@ -40,7 +40,7 @@ def test_single_process_defaults_check():
 def test_tp_matches_single_process(world):
     """Ragged batch, eager; 8 ranks replicate each of tiny's 2 KV heads 4 times. tests/test_tp.py
     checks the head plan for every world size; 1 rank is test_single_process_defaults_check, and 2
-    ranks are the compiled and SDPA tests below."""
+    ranks the compiled test below (SDPA's decode path is tests/test_model.py's, sharded the same)."""
     out = _expect_ok(_torchrun(world, EXAMPLE, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
     assert f"world {world}" in out and f"rank {world - 1}:" in out
     assert "check: OK (48 of 48 tokens identical" in out, out
@@ -49,11 +49,6 @@ def test_tp_matches_single_process(world):
 def test_tp_compiled_matches_single_process():
     out = _expect_ok(_torchrun(2, EXAMPLE, "--check", "--compile", "--prompt-len", RAGGED, "--gen", "8"))
     assert "compile on" in out and "check: OK" in out
-
-
-def test_tp_sdpa_attention_matches_single_process():
-    out = _expect_ok(_torchrun(2, EXAMPLE, "--check", "--attention", "sdpa", "--prompt-len", RAGGED, "--gen", "8"))
-    assert "attention sdpa" in out and "check: OK" in out
 
 
 def _free_port() -> int:

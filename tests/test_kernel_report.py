@@ -34,8 +34,8 @@ def _run(args: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def stats() -> list[KernelStats]:
-    """Every entry and layout, and every feature and variant on one head dim per arch
-    (``kernel_report.sample_jobs``: about half the compiles of ``--variants``)."""
+    """``kernel_report.sample_jobs``: every entry, and every feature and variant, in a third of the
+    compiles of ``--variants``."""
     rows = json.loads(_run(["-m", "lean_tp.ops.kernel_report", "--json", "--variants", "--sample"]))
     return [KernelStats(**row) for row in rows]
 
@@ -45,10 +45,15 @@ def _report_rows(stats):
 
 
 def test_every_table_entry_compiles_for_every_layout(stats):
+    """Every 16-bit entry on every layout; every fp32 entry on one, and every layout for fp32."""
     built = {(s.arch, s.head_dim, s.dtype, s.layout) for s in _report_rows(stats)}
     for arch, head_dim, size in TUNING_TABLE:
-        if arch != "interp":
-            assert {(arch, head_dim, "fp16" if size == 2 else "fp32", layout) for layout in LAYOUTS} <= built
+        if arch != "interp" and size == 2:
+            assert {(arch, head_dim, "fp16", layout) for layout in LAYOUTS} <= built
+        elif arch != "interp":
+            assert any((arch, head_dim, "fp32", layout) in built for layout in LAYOUTS)
+    for arch in ("sm80", "sm90"):
+        assert {layout for a, _, dtype, layout in built if a == arch and dtype == "fp32"} == set(LAYOUTS)
     assert any(s.dtype == "bf16" for s in stats) and any(s.leftpad for s in stats)
     assert {s.group for s in stats} >= {1, 24, 64}
     for s in stats:
@@ -83,7 +88,7 @@ def test_docs_kernel_report_is_current(stats):
         pytest.skip(f"docs/kernel_report.md was generated with triton {recorded}, this is {triton.__version__}")
     rows = [line for line in to_markdown(_report_rows(stats)).splitlines() if line.startswith("|")]
     missing = [line for line in rows if line not in doc]
-    assert len(rows) > 40 and not missing, f"regenerate: python -m lean_tp.ops.kernel_report; stale: {missing[:3]}"
+    assert len(rows) >= 30 and not missing, f"regenerate: python -m lean_tp.ops.kernel_report; stale: {missing[:3]}"
 
 
 SPECIALIZATION = """

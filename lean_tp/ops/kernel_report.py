@@ -233,18 +233,25 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
 
 
 def sample_jobs(jobs: list[tuple]) -> list[tuple]:
-    """The one-token decode rows of every entry and layout, and each other kind of job (a feature, a
-    variant: the job without its arch and head dim) on one head dim per arch, rotating over the
-    head dims from kind to kind. What the CPU tests compile: every constexpr combination that
-    ``report_jobs`` holds still compiles for sm_80 and sm_90, in about half the compiles."""
-    base = [j for j in jobs if j[4] == REPORT_GROUP and not j[5] and j[2] != "bf16" and not j[7]]
-    kinds: dict[tuple, list[tuple]] = {}
+    """What the CPU tests compile, a third of ``--variants``: the one-token decode rows of every
+    16-bit entry and layout and of every fp32 entry on one layout; and each other kind of job (a
+    feature or variant: the job without its arch and head dim) on one head dim, rotating over the
+    head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
+    sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
+    fp32_base, base, kinds = 0, [], {}
     for job in jobs:
-        if job not in base:
+        if job[4] == REPORT_GROUP and not job[5] and job[2] != "bf16" and not job[7]:
+            if job[2] == "fp32":  # one layout per entry, rotating
+                fp32_base += 1
+                if (fp32_base - 1) % len(LAYOUTS) != (fp32_base - 1) // len(LAYOUTS) % len(LAYOUTS):
+                    continue
+            base.append(job)
+        else:
             kinds.setdefault(job[2:], []).append(job)
     sample = []
-    for i, same_kind in enumerate(kinds.values()):
-        for arch in ("sm80", "sm90"):
+    for i, (kind, same_kind) in enumerate(kinds.items()):
+        by_arch = "fp8" in kind[-1] or kind[-1] == "all"
+        for arch in ("sm80", "sm90") if by_arch else (("sm80", "sm90")[i % 2],):
             of_arch = [j for j in same_kind if j[0] == arch]
             if of_arch:
                 sample.append(of_arch[i % len(of_arch)])
