@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = "triton" if device.type == "cuda" else "torch"
     print(f"device {device} ({backend} backend), dtype {dtype}, lengths {lens.tolist()}")
     if device.type == "cuda":
-        print(f"stream-K grid: {grid_size(device, dtype, args.head_dim, args.heads // args.kv_heads)} programs")
+        print(f"stream-K grid: {grid_size(device, dtype, args.head_dim, args.heads // args.kv_heads, PAGE_SIZE if args.paged else None)} programs")
     print(f"median latency {statistics.median(times) * 1e3:.3f} ms over {TIMED_CALLS} calls (eager, wall clock)")
     print(f"max |out - float64 reference| = {err:.2e}")
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]

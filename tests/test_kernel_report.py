@@ -15,9 +15,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
-from lean_tp.ops.kernel_report import LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
+from lean_tp.ops.kernel_report import FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
@@ -191,3 +192,62 @@ def test_every_kernel_merges_in_waves_of_l2_loads(stats):
     wave of ``merge_wave`` partials per iteration."""
     for s in stats:
         assert s.merge_wave >= 1 and s.merge_loads_per_wave >= 1 and s.merge_sass_per_wave > 0, s
+
+
+def _constexprs(args: dict) -> dict:
+    """The constexpr arguments of a launch: what selects the compiled variant."""
+    import inspect
+
+    from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+
+    fn = getattr(decode_attention_fwd_kernel, "fn", decode_attention_fwd_kernel)
+    names = [n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)]
+    return {n: args[n] for n in names}
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+@pytest.mark.parametrize("feature", list(FEATURES), ids=[f or "decode" for f in FEATURES])
+def test_grid_is_sized_from_the_variant_the_call_launches(arch, page_size, leftpad, feature):
+    """The kernel the launcher compiles to count programs per SM (``example_args`` of the call's
+    features and left padding) has every constexpr of the kernel the call launches, so its
+    registers and shared memory are the launched kernel's (a variant can cost more registers)."""
+    from lean_tp.ops.decode_attention.launcher import (
+        KernelFeatures,
+        alloc_workspace,
+        example_args,
+        features_of,
+        launch_args,
+    )
+    from lean_tp.ops.decode_attention.tuning import config_for
+
+    want = KernelFeatures(**FEATURES[feature])
+    config = config_for(arch, 128, torch.float16)
+    batch, hkv, group = 3, 2, 4
+    e = lambda *shape, dtype=torch.float16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    q = e(batch, want.num_tokens, group * hkv, 128)
+    cache_dtype = want.fp8 or torch.float16
+    cache = e(batch, hkv, 96, 128, dtype=cache_dtype) if page_size is None else e(40, page_size, hkv, 128, dtype=cache_dtype)
+    lens = e(batch, dtype=torch.int32)
+    table = e(batch, 8, dtype=torch.int32) if page_size else None
+    softcap, window = (50.0 if want.softcap else None), (77 if want.window else None)
+    sinks, scale = e(group * hkv, dtype=torch.float32), e(hkv, dtype=torch.float32)
+    launched = launch_args(q, cache, cache, lens, lens if leftpad else None, table, torch.empty_like(q),
+                           e(*q.shape[:-1], dtype=torch.float32), alloc_workspace(264, 16, 128, "meta"), lens, 0.1, 264,
+                           config, scale if want.fp8 else None, scale if want.fp8 else None, softcap, window,
+                           sinks if want.sinks else None, arch=arch)  # fmt: skip
+    variant = features_of(q, cache_dtype, softcap, window, sinks if want.sinks else None)
+    sized = example_args(torch.float16, 128, group, page_size, leftpad, config, features=variant, arch=arch)
+    assert _constexprs(sized) == _constexprs(launched)
+
+
+def test_grid_size_asks_for_the_calls_left_padding_and_features(monkeypatch):
+    from lean_tp.ops.decode_attention import launcher
+
+    asked = []
+    monkeypatch.setattr(launcher, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launcher, "_programs_per_sm_on", lambda *a: asked.append(a) or 2)
+    features = launcher.KernelFeatures(num_tokens=4, window=True)
+    assert launcher.grid_size(torch.device("cuda", 0), torch.float16, 128, 4, 16, features, has_leftpad=True) == 264
+    assert asked == [(0, torch.float16, 128, 4, 16, features, True)]

@@ -201,13 +201,15 @@ def example_args(
 
 @functools.lru_cache(maxsize=None)
 def _programs_per_sm_on(
-    index: int, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None, features: KernelFeatures
-) -> int:
-    """Programs per SM of the family's launched kernel on CUDA device ``index``, capped by the table."""
+    index: int, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None, features: KernelFeatures,
+    has_leftpad: bool = False,
+) -> int:  # fmt: skip
+    """Programs per SM of the variant a call launches on CUDA device ``index`` (every constexpr of
+    the call: left padding and ``features`` too, which can cost registers), capped by the table."""
     from triton.runtime import driver
 
     config = get_config(torch.device("cuda", index), head_dim, dtype)
-    args = example_args(dtype, head_dim, group, page_size, False, config, features=features,
+    args = example_args(dtype, head_dim, group, page_size, has_leftpad, config, features=features,
                         arch=arch_of(torch.device("cuda", index)))  # fmt: skip
     with torch.cuda.device(index):
         kernel = compile_as_launched(args, config, driver.active.get_current_target())
@@ -218,18 +220,19 @@ def _programs_per_sm_on(
 
 def grid_size(
     device: torch.device, dtype: torch.dtype, head_dim: int, group: int, page_size: int | None = None,
-    features: KernelFeatures = KernelFeatures(),
+    features: KernelFeatures = KernelFeatures(), has_leftpad: bool = False,
 ) -> int:  # fmt: skip
-    """Programs of the persistent grid on ``device``: SM count x resident programs per SM.
+    """Programs of the persistent grid on ``device``: SM count x resident programs per SM of the
+    kernel variant the call launches.
 
-    Queried once per (device, configuration, features) and cached, so ranks on different GPU
-    models each get their own size. On CPU (the Triton interpreter) it is ``INTERPRETER_PROGRAMS``.
-    ``dtype`` is q's dtype (an fp8 cache is named in ``features``).
+    Queried once per (device, configuration, features, left padding) and cached, so ranks on
+    different GPU models each get their own size. On CPU (the Triton interpreter) it is
+    ``INTERPRETER_PROGRAMS``. ``dtype`` is q's dtype (an fp8 cache is named in ``features``).
     """
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return sm_count(device) * _programs_per_sm_on(index, dtype, head_dim, group, page_size, features)
+    return sm_count(device) * _programs_per_sm_on(index, dtype, head_dim, group, page_size, features, has_leftpad)
 
 
 def sm_count(device: torch.device) -> int:
@@ -309,7 +312,7 @@ def decode_attention_fwd(
     features = features_of(q4, layout.dtype, softcap, window, sinks)
     config = config or get_config(q.device, head_dim, q.dtype)
     if num_programs is None:
-        num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features)
+        num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features, cache_leftpad is not None)
         num_sms = num_sms or sm_count(q.device)
     num_sms = num_sms or num_programs
     if num_sms < 1 or num_programs % num_sms:
