@@ -72,6 +72,7 @@ class KernelStats:
     leftpad: bool
     features: str
     block_n: int
+    num_warps: int
     regs: int
     spill_bytes: int
     shared_bytes: int
@@ -84,6 +85,44 @@ class KernelStats:
     merge_wave: int  # partials the merge loads per loop iteration (one wave)
     merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
     merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
+
+    @property
+    def _gpu(self):
+        from lean_tp.simulate import GPUS
+
+        return next(g for g in GPUS.values() if g.arch == self.arch)
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        """K and V bytes one K/V-loop iteration reads (BLOCK_N keys of each)."""
+        elem = 1 if self.features.startswith("fp8") or self.features == "all" else DTYPES[self.dtype].itemsize
+        return 2 * self.block_n * self.head_dim * elem
+
+    @property
+    def issue_share(self) -> float:
+        """Share of an SM's issue slots the K/V loop needs to keep up with the device's copy
+        bandwidth: SASS per iteration x warps over 4 schedulers, against the cycles the iteration's
+        bytes take at the SM's share of that bandwidth (constants: ``lean_tp.simulate.GPUS``)."""
+        gpu = self._gpu
+        cycles = self.kv_tile_bytes / (gpu.hbm_tbps * 1e12 / gpu.sms) * gpu.clock_ghz * 1e9
+        return self.sass_per_iter * self.num_warps / 4 / cycles
+
+    @property
+    def kv_bytes_buffered(self) -> int:
+        """K/V bytes an SM's programs hold in their shared-memory buffers (programs x buffers x K and
+        V tile bytes): the most they can have in flight."""
+        return self.programs_per_sm * max(self.kv_buffers, 1) * self.kv_tile_bytes
+
+    @property
+    def littles_law_bytes(self) -> int:
+        """Bytes an SM must keep in flight to read at its share of copy bandwidth, at the loaded
+        memory latency of ``GPUS``."""
+        gpu = self._gpu
+        return round(gpu.hbm_tbps * 1e12 / gpu.sms * gpu.hbm_latency_us * 1e-6)
+
+    def as_json(self) -> dict:
+        derived = ("kv_tile_bytes", "issue_share", "kv_bytes_buffered", "littles_law_bytes")
+        return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
 
 
 def _cuobjdump() -> str:
@@ -182,7 +221,7 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     sass = _dump(kernel.asm["cubin"], "-sass")
     tile_bytes = config.block_n * args["BLOCK_D"] * (variant.fp8 or torch_dtype).itemsize
     return KernelStats(
-        arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, regs, stack, shared,
+        arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, config.num_warps, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
         *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass),
@@ -283,28 +322,31 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
         "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | K/V buffers | wait_group "
-        "| BLOCK_N | SASS/iter | merge: partials/iter | merge: SASS/contributor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | merge: partials/iter | merge: SASS/contributor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if not r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} "
             f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} "
-            f"| {r.block_n} | {r.sass_per_iter} | {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
+            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
+            f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
+            f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
         )
     lines += [
         "",
         "Serving features, paged16 (`FEATURES` in `lean_tp/ops/kernel_report.py`; fp8 variants read an fp8 cache "
         "with an fp16 q):",
         "",
-        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | SASS/iter |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | SASS/iter | issue share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
-            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.sass_per_iter} |"
+            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.sass_per_iter} "
+            f"| {r.issue_share:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -335,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = report_jobs(args.variants, _parse_overrides(p, args.set))
     rows = run_report(sample_jobs(jobs) if args.sample else jobs, args.workers)
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        print(json.dumps([r.as_json() for r in rows], indent=1))
     else:
         print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad and r.dtype != "bf16"]), end="")
     return 0
