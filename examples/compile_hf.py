@@ -15,7 +15,6 @@ model generates from the same prompts, and every token must match.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -23,10 +22,16 @@ import torch
 
 from lean_tp import cli
 from lean_tp.model import CONFIGS
-from example_utils import MAX_GEN, TINY_HF_LLAMA, TokenProgress, check_positions, prompt_lens_flag, random_left_padded_batch
-
-DTYPES = ("bfloat16", "float16", "float32")
-
+from example_utils import (
+    HF_DTYPES,
+    MAX_GEN,
+    TINY_HF_LLAMA,
+    TokenProgress,
+    check_positions,
+    hf_checkpoint,
+    prompt_lens_flag,
+    random_left_padded_batch,
+)
 
 def hf_config(name: str):
     """A ``LlamaConfig`` of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
@@ -55,7 +60,7 @@ def load(args, attn_implementation: str):
 
 def parse_args(argv: list[str] | None):
     p = cli.ArgumentParser(prog="compile_hf.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", type=cli.existing_dir, help="Hugging Face model directory (real weights)")
+    p.add_argument("--checkpoint", type=hf_checkpoint, help="Hugging Face model directory (real weights)")
     p.add_argument("--config", default="tiny", type=cli.choice(*sorted(CONFIGS)),
                    help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)")
     p.add_argument("--attention", default="lean", type=cli.choice("lean", "sdpa"), help="sdpa: the same run without lean")
@@ -64,13 +69,11 @@ def parse_args(argv: list[str] | None):
                    help="one length, or a comma list of --batch lengths")
     p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=32)
     p.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", type=cli.choice(*DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with an eager SDPA copy")
     args = p.parse_args(argv)
     args.lens = prompt_lens_flag(p, args.prompt_len, args.batch)
-    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
     max_len = TINY_HF_LLAMA["max_position_embeddings"] if args.config == "tiny" else CONFIGS[args.config].max_seq_len
     if not args.checkpoint:
         check_positions(p, args.lens, args.gen, max_len, args.config)

@@ -13,7 +13,6 @@ run's tokens, and compares every token and the final logits.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -36,7 +35,7 @@ from lean_tp.generate import Generation, decode_one, generate
 from lean_tp.model import CONFIGS, FP8_KV_DTYPE, ModelArgs, Transformer, build_model
 from lean_tp.profiling import attention_fraction
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
-from example_utils import MAX_GEN, check_positions, make_prompts, prompt_lens_flag
+from example_utils import MAX_GEN, check_positions, hf_checkpoint, make_prompts, prompt_lens_flag
 
 # --dtype's names, and the torch dtype each one means
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
@@ -55,7 +54,7 @@ PROGRESS_MIN_STEPS = 100
 def make_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="decode_tp.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", type=cli.choice(*sorted(CONFIGS)), help="built-in config, random weights")
-    p.add_argument("--checkpoint", type=cli.existing_dir,
+    p.add_argument("--checkpoint", type=hf_checkpoint,
                    help="Hugging Face directory (config.json + *.safetensors); overrides --model")
     p.add_argument("--batch", type=cli.integer(1, 4096), default=4)
     p.add_argument("--prompt-len", type=cli.integer_list(1), default="32,64,96,128",
@@ -83,8 +82,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompt_lens = prompt_lens_flag(p, args.prompt_len, args.batch)
     if args.kv_dtype == "fp8" and DTYPE_NAMES.get(args.dtype) not in ("bfloat16", "float16"):
         p.fail("--dtype", "bf16 or fp16 with --kv-dtype fp8 (q in 16 bits)", args.dtype)
-    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
     try:
         config = model_config(args)
     except ValueError as exc:

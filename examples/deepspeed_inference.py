@@ -27,10 +27,15 @@ import types
 import torch
 
 from lean_tp import cli
-from example_utils import MAX_GEN, TINY_HF_LLAMA, check_positions, prompt_lens_flag, random_left_padded_batch
-
-DTYPES = ("bfloat16", "float16", "float32")
-
+from example_utils import (
+    HF_DTYPES,
+    MAX_GEN,
+    TINY_HF_LLAMA,
+    check_positions,
+    hf_checkpoint,
+    prompt_lens_flag,
+    random_left_padded_batch,
+)
 
 def load(args) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -44,19 +49,17 @@ def load(args) -> torch.nn.Module:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="deepspeed_inference.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", type=cli.existing_dir, help="Hugging Face model directory; default a tiny random Llama")
+    p.add_argument("--checkpoint", type=hf_checkpoint, help="Hugging Face model directory; default a tiny random Llama")
     p.add_argument("--batch", type=cli.integer(1, 4096), default=3)
     p.add_argument("--prompt-len", type=cli.integer_list(1), default="5,17,40",
                    help="one length, or a comma list of --batch lengths")
     p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=16)
-    p.add_argument("--dtype", type=cli.choice(*DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with the unsharded model")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     args.lens = prompt_lens_flag(p, args.prompt_len, args.batch)
-    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        p.fail("--checkpoint", "a Hugging Face model directory with a config.json", args.checkpoint)
     if not args.checkpoint:
         check_positions(p, args.lens, args.gen, TINY_HF_LLAMA["max_position_embeddings"], "the tiny Llama")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -18,9 +18,21 @@ TINY_HF_LLAMA = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_
                      intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)  # fmt: skip
 
 
+# --dtype names of the Hugging Face examples (torch attribute names, as transformers takes them).
+HF_DTYPES = ("bfloat16", "float16", "float32")
 # Tokens one run may generate per sequence: far beyond any model's context, so that a typo fails
 # as a flag error rather than as an allocation.
 MAX_GEN = 1 << 20
+
+
+def hf_checkpoint(text: str) -> str:
+    """An argparse ``type`` for ``--checkpoint``: a Hugging Face model directory, with its config.json."""
+    import argparse
+    import os
+
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"expected a Hugging Face model directory with a config.json, got {text!r}")
+    return text
 
 
 def prompt_lens_flag(p: cli.ArgumentParser, lens: list[int], batch: int) -> list[int]:

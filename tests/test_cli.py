@@ -9,7 +9,6 @@ as a module, as a user would, to see that no traceback escapes there either.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from lean_tp import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]  # bench_decode, results, peers, gpu_check
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]  # examples/ is on it already (conftest)
 ENTRY_POINTS = {
     "demo": "examples/decode_attention_demo.py",
     "decode_tp": "examples/decode_tp.py",
@@ -33,21 +32,13 @@ ENTRY_POINTS = {
     "simulate": "lean_tp/simulate.py",
     "kernel_report": "lean_tp/ops/kernel_report.py",
 }
-_modules: dict[str, object] = {}
 
 
 def entry_point(name: str):
-    """The entry point's module, loaded from its file once (scripts are not packages)."""
-    path = ENTRY_POINTS[name]
-    if path.startswith("lean_tp/"):  # python -m lean_tp.x
-        return importlib.import_module(path.removesuffix(".py").replace("/", "."))
-    if name not in _modules:
-        spec = importlib.util.spec_from_file_location(f"entry_{name}", ROOT / path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        _modules[name] = module
-    return _modules[name]
+    """The entry point's module: scripts import by file name (examples/, benchmarks/ and scripts/
+    are on sys.path), the package's by module path."""
+    path = ENTRY_POINTS[name].removesuffix(".py")
+    return importlib.import_module(path.replace("/", ".") if path.startswith("lean_tp/") else Path(path).name)
 
 
 NOT_DIR, NOT_FILE = "/nonexistent/dir", "/nonexistent/file.json"

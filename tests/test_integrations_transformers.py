@@ -136,9 +136,7 @@ def test_compile_hf_example_compiles_the_op_without_graph_breaks(capsys, monkeyp
     static cache and a left-padded ragged batch (a graph break would be an error), the lean op in
     the compiled decode graph, and every token equal to an eager SDPA copy's. The example's
     torch.compile is given a backend that records each graph's ops before Inductor compiles it."""
-    import importlib.util
-    from pathlib import Path
-
+    import compile_hf  # examples/ is on sys.path (conftest)
     from torch._inductor.compile_fx import compile_fx
 
     graphs, real_compile = [], torch.compile
@@ -148,12 +146,8 @@ def test_compile_hf_example_compiles_the_op_without_graph_breaks(capsys, monkeyp
         return compile_fx(gm, example_inputs)
 
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend=recording, **kw))
-    path = Path(__file__).resolve().parents[1] / "examples" / "compile_hf.py"
-    spec = importlib.util.spec_from_file_location("compile_hf", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     torch._dynamo.reset()
-    assert example.main(["--check", "--gen", "8"]) == 0
+    assert compile_hf.main(["--check", "--gen", "8"]) == 0
     out = capsys.readouterr().out
     assert "0 graph breaks" in out and "check: OK (32 tokens identical to eager SDPA)" in out, out
     # Prefill (long prompts) falls back to SDPA; the one-token decode graph runs the op.

@@ -277,12 +277,13 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     feature or variant: the job without its arch and head dim) on one head dim, rotating over the
     head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
     sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
-    fp32_base, base, kinds = 0, [], {}
+    fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
         if job[4] == REPORT_GROUP and not job[5] and job[2] != "bf16" and not job[7]:
-            if job[2] == "fp32":  # one layout per entry, rotating
-                fp32_base += 1
-                if (fp32_base - 1) % len(LAYOUTS) != (fp32_base - 1) // len(LAYOUTS) % len(LAYOUTS):
+            if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
+                entry, layout = divmod(fp32_seen, len(LAYOUTS))
+                fp32_seen += 1
+                if layout != entry % len(LAYOUTS):
                     continue
             base.append(job)
         else:
