@@ -11,5 +11,6 @@ if triton.knobs.runtime.interpret:  # TRITON_INTERPRET=1: check the stack before
     check_interpreter_numpy(triton.__version__, numpy.__version__)
 
 from lean_tp.ops.decode_attention import decode_attention  # noqa: E402
+from lean_tp.ops.merge_attention import merge_attention  # noqa: E402
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "merge_attention"]
