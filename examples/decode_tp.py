@@ -3,9 +3,13 @@
     torchrun --standalone --nproc_per_node=2 examples/decode_tp.py --check    # CPU: tiny model, gloo
     torchrun --nproc_per_node=8 examples/decode_tp.py --model llama-3-70b --batch 16 --prompt-len 4000 --compile
     python examples/decode_tp.py --checkpoint /path/to/Meta-Llama-3-8B --prompt-len 100,3000 --batch 2 --compile
+    torchrun --standalone --nproc_per_node=4 examples/decode_tp.py --cp 2 --check    # TP 2 x CP 2
+    torchrun --standalone --nproc_per_node=8 examples/decode_tp.py --cp 1,2,8       # 3 layouts, one launch
 
 Heads are sharded across the ranks; each rank runs ``lean_tp.decode_attention`` on its own heads
-with a grid sized to its own GPU. Prompts are random token ids (seeded), so runs are repeatable.
+with a grid sized to its own GPU. With ``--cp C`` the world is TP x C: each head's sequence is
+also sharded over C ranks, whose attention partials are merged exactly by lse; a list of sizes runs
+each layout in turn on the same ranks, to compare them. Prompts are random token ids (seeded), so runs are repeatable.
 With ``--check``, rank 0 reruns the same model and seed in one process, teacher-forced with this
 run's tokens, and compares every token and the final logits.
 """
@@ -21,12 +25,15 @@ import torch
 from lean_tp import cli
 from lean_tp.distributed import (
     DistContext,
+    ParallelGroups,
     all_ranks_agree,
     apply_tp,
     check_shardable,
     describe_grid,
+    disagreement,
     gather_objects,
     init_distributed,
+    init_parallel_groups,
     shutdown,
     torchrun_env,
 )
@@ -64,6 +71,9 @@ def make_parser() -> cli.ArgumentParser:
                    help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
     p.add_argument("--device", type=cli.choice("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--dtype", type=cli.choice(*sorted(DTYPE_NAMES)), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--cp", type=cli.integer_list(1, 1024), default="1",
+                   help="context-parallel size C: the world is TP x C, each head's sequence sharded over C ranks; "
+                        "a comma list runs each layout in turn")
     p.add_argument("--attention", type=cli.choice("lean", "sdpa"), default="lean", help="decode attention")
     p.add_argument("--kv-dtype", type=cli.choice("auto", "fp8"), default="auto",
                    help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)")
@@ -91,8 +101,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         world_size = torchrun_env()[1]
     except ValueError as exc:  # a launcher's environment, not a flag
         p.error(str(exc))
+    if any(world_size % cp for cp in args.cp):
+        p.fail("--cp", f"divisors of the world size {world_size}", ",".join(map(str, args.cp)))
+    if max(args.cp) > 1 and args.attention != "lean":
+        p.fail("--attention", "lean with --cp > 1 (the ranks' shares merge by their lse)", args.attention)
     try:
-        check_shardable(config, world_size)
+        for cp in args.cp:
+            check_shardable(config, world_size, cp)
     except ValueError as exc:
         p.error(f"argument {'--checkpoint' if args.checkpoint else '--model'}: {exc}")
     return args
@@ -103,10 +118,11 @@ def model_config(args: argparse.Namespace) -> ModelArgs:
 
 
 def build(args: argparse.Namespace, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-          max_batch: int, capacity: int, kv_dtype: str = "auto") -> Transformer:
-    """Meta model -> shard for (rank, world) -> load this rank's weights -> caches."""
+          max_batch: int, capacity: int, kv_dtype: str = "auto", cp: int = 1,
+          groups: ParallelGroups | None = None) -> Transformer:  # fmt: skip
+    """Meta model -> shard for (rank, world = TP x cp) -> load this rank's weights -> caches."""
     model = build_model(model_config(args))
-    apply_tp(model, rank, world)
+    apply_tp(model, rank, world, cp, groups)
     if args.checkpoint:
         load_hf_checkpoint(model, args.checkpoint, device, dtype)
     else:
@@ -121,10 +137,13 @@ def compiled_step(device: torch.device):
     return torch.compile(decode_one, mode=mode, fullgraph=True)
 
 
-def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int]) -> tuple[Generation, float | None, list]:
+def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int],
+        cp: int) -> tuple[Generation, float | None, list]:  # fmt: skip
     capacity = max(prompt_lens) + args.gen
-    model = build(args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity, args.kv_dtype)
-    grids = gather_objects(ctx, describe_grid(model))
+    groups = init_parallel_groups(ctx, cp)
+    model = build(args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity, args.kv_dtype,
+                  cp, groups)  # fmt: skip
+    grids = gather_objects(ctx, f"{describe_grid(model)}; KV cache {model.kv_cache_bytes() / 2**20:.2f} MiB")
     prompt = make_prompts(prompt_lens, model.args.vocab_size, args.seed, ctx.device)
     step = compiled_step(ctx.device) if args.compile else decode_one
     if args.compile:  # compile, and record CUDA graphs, before timing
@@ -161,9 +180,10 @@ def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt
     return True, f"{tokens}; final logits max |diff| {diff:.2g}"
 
 
-def report(args, ctx, dtype, prompt_lens, result: Generation, share: float | None, grids: list) -> None:
+def report(args, ctx, dtype, prompt_lens, cp: int, result: Generation, share: float | None, grids: list) -> None:
     source = args.checkpoint or args.model
-    print(f"lean_tp decode: {source}, world {ctx.world_size}, {ctx.device.type}, {str(dtype).removeprefix('torch.')}, "
+    layout = f" (tp {ctx.world_size // cp} x cp {cp})" if cp > 1 else ""
+    print(f"lean_tp decode: {source}, world {ctx.world_size}{layout}, {ctx.device.type}, {str(dtype).removeprefix('torch.')}, "
           f"attention {args.attention}, kv cache {args.kv_dtype}, compile {'on' if args.compile else 'off'}")
     for rank, grid in enumerate(grids):
         print(f"  rank {rank}: {grid}")
@@ -180,18 +200,26 @@ def main(argv: list[str] | None = None) -> int:
     prompt_lens = args.prompt_lens
     ctx = init_distributed(args.device, timeout_s=args.timeout)
     try:
-        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
-        torch.manual_seed(args.seed)
-        result, share, grids = run(args, ctx, dtype, prompt_lens)
-        if ctx.is_main:
-            report(args, ctx, dtype, prompt_lens, result, share, grids)
-        ok = True
-        if args.check:
-            ok, message = check(args, ctx, dtype, prompt_lens, result) if ctx.is_main else (True, "")
-            ok = all_ranks_agree(ctx, ok)
+        flags = {"--" + name.replace("_", "-"): value for name, value in vars(args).items() if name != "prompt_lens"}
+        mismatch = disagreement(ctx, flags)
+        if mismatch:  # ranks started by hand with different flags: every rank stops, rank 0 says why
             if ctx.is_main:
-                print(f"check: {'OK' if ok else 'MISMATCH'} ({message})")
-        return 0 if ok else 1
+                print(f"decode_tp.py: error: {mismatch}", file=sys.stderr, flush=True)
+            return 2
+        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+        all_ok = True
+        for cp in args.cp:
+            torch.manual_seed(args.seed)
+            result, share, grids = run(args, ctx, dtype, prompt_lens, cp)
+            if ctx.is_main:
+                report(args, ctx, dtype, prompt_lens, cp, result, share, grids)
+            if args.check:
+                ok, message = check(args, ctx, dtype, prompt_lens, result) if ctx.is_main else (True, "")
+                ok = all_ranks_agree(ctx, ok)
+                all_ok &= ok
+                if ctx.is_main:
+                    print(f"check: {'OK' if ok else 'MISMATCH'} ({message})")
+        return 0 if all_ok else 1
     finally:
         shutdown()
 

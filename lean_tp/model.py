@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lean_tp.distributed.cp import ContextShard, context_parallel_attention
 from lean_tp.ops import decode_attention
 
 ATTENTION_IMPLS = ("lean", "sdpa")
@@ -134,16 +135,23 @@ FP8_HEADROOM = 2.0
 
 
 class KVCache(nn.Module):
-    """Static cache, k and v (B, Hkv, S_max, D), written in place so CUDA graphs can replay steps.
+    """Static cache, k and v (B, Hkv, S, D), written in place so CUDA graphs can replay steps.
+
+    S is ``capacity`` (global positions), or under context parallelism (``shard``) this rank's
+    ``shard.capacity(capacity)`` slots plus one spare slot: a token another rank owns is written
+    there, so every rank runs the same step without a branch on the position.
 
     With an fp8 ``dtype`` it stores ``x / scale`` and keeps k_scale, v_scale (Hkv,) float32, the
-    per-KV-head scales the decode op takes; they are set at prefill, on the device, without a sync.
+    per-KV-head scales the decode op takes; they are set at prefill, on the device, without a sync,
+    from the whole prompt (so they agree on every CP rank).
     """
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(self, batch: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, shard: ContextShard | None = None) -> None:  # fmt: skip
         super().__init__()
-        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.capacity, self.shard = capacity, shard
+        slots = capacity if shard is None else shard.capacity(capacity) + 1
+        shape = (batch, n_kv_heads, slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.fp8 = dtype == FP8_KV_DTYPE
@@ -159,24 +167,33 @@ class KVCache(nn.Module):
         return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
     def write_prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (B, Hkv, T, D) for positions 0..T-1."""
+        """k, v (B, Hkv, T, D) for positions 0..T-1 (under CP: all of them; this rank keeps its own)."""
         if self.fp8:
             for scale, x in ((self.k_scale, k), (self.v_scale, v)):
                 scale.copy_((x.detach().abs().amax(dim=(0, 2, 3)).float() * FP8_HEADROOM / FP8_MAX).clamp_min(1e-8))
+        if self.shard is not None:
+            mine = self.shard.positions(k.shape[2], k.device)
+            k, v = k[:, :, mine], v[:, :, mine]
         self.k[:, :, : k.shape[2]] = self._store(k, self.k_scale)
         self.v[:, :, : v.shape[2]] = self._store(v, self.v_scale)
 
     def write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, D) for one token per sequence, at positions (B,)."""
         rows = torch.arange(k.shape[0], device=k.device)
+        if self.shard is not None:
+            spare = self.k.shape[2] - 1
+            positions = torch.where(self.shard.owns(positions), self.shard.slot(positions), spare)
         self.k[rows, :, positions] = self._store(k, self.k_scale)
         self.v[rows, :, positions] = self._store(v, self.v_scale)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v as float32 values (fp8) or as stored (B, Hkv, S_max, D)."""
+        """k, v as float32 values (fp8) or as stored (B, Hkv, S, D)."""
         if not self.fp8:
             return self.k, self.v
         return self.k.float() * self.k_scale.view(1, -1, 1, 1), self.v.float() * self.v_scale.view(1, -1, 1, 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
 
 class Attention(nn.Module):
@@ -190,6 +207,10 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.impl = "lean"
         self.backend = "auto"
+        # Context parallelism (lean_tp.distributed.apply_tp): this rank's share of each sequence,
+        # and the group of ranks that hold the other shares of the same heads.
+        self.cp: ContextShard | None = None
+        self.cp_group = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 input_pos: torch.Tensor | None) -> torch.Tensor:
@@ -213,6 +234,9 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
         cache = self.kv_cache
+        if self.cp is not None:
+            return context_parallel_attention(q, cache.k, cache.v, lengths, self.cp, self.cp_group, backend=self.backend,
+                                              k_scale=cache.k_scale, v_scale=cache.v_scale)  # fmt: skip
         if self.impl == "lean":
             return decode_attention(q, cache.k, cache.v, lengths, backend=self.backend, k_scale=cache.k_scale,
                                     v_scale=cache.v_scale)  # fmt: skip
@@ -279,6 +303,8 @@ class Transformer(nn.Module):
         """Decode attention: ``"lean"`` (``lean_tp.decode_attention`` with ``backend``) or ``"sdpa"``."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+        if impl != "lean" and self.attention_modules()[0].cp is not None:
+            raise ValueError(f"impl: expected 'lean' under context parallelism (the merge needs each share's lse), got {impl!r}")
         for attn in self.attention_modules():
             attn.impl, attn.backend = impl, backend
 
@@ -291,12 +317,18 @@ class Transformer(nn.Module):
         weight = self.lm_head.weight
         dtype = dtype or weight.dtype
         for attn in self.attention_modules():
-            attn.kv_cache = KVCache(max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device)
+            attn.kv_cache = KVCache(max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device,
+                                    attn.cp)  # fmt: skip
         self.inv_freq = rope_inv_freq(self.args, weight.device)
 
     def cache_capacity(self) -> int:
+        """Positions each sequence's cache can hold (under CP: of the whole sequence, over all ranks)."""
         cache = self.attention_modules()[0].kv_cache
-        return 0 if cache is None else cache.k.shape[2]
+        return 0 if cache is None else cache.capacity
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV caches, over all layers."""
+        return sum(attn.kv_cache.nbytes() for attn in self.attention_modules() if attn.kv_cache is not None)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)

@@ -68,6 +68,7 @@ FLAG_CASES = [
     ("decode_tp", ["--kv-dtype", "fp8"], "--dtype"),
     ("decode_tp", ["--kv-dtype", "int4"], "--kv-dtype"),
     ("decode_tp", ["--attention", "flash"], "--attention"),
+    *[("decode_tp", ["--cp", v], "--cp") for v in ("0", "2", "1,x", "2048")],  # one process: only --cp 1 divides it
     *[("compile_hf", [f, v], f) for f in ("--batch", "--gen") for v in ("0", "-1", "x", "99999999999")],
     ("compile_hf", ["--prompt-len", "5000"], "--prompt-len"),
     ("compile_hf", ["--prompt-len", "1,2", "--batch", "3"], "--prompt-len"),
@@ -131,6 +132,10 @@ def test_a_bad_flag_gives_one_line_naming_it(name, argv, flag, capsys, monkeypat
 @pytest.mark.parametrize("name,argv,world,message", [
     ("decode_tp", [], "3", "argument --model: cannot shard attention: expected n_heads divisible by world_size"),
     ("decode_tp", ["--model", "phi-3-medium"], "4", "argument --model: cannot shard attention"),
+    ("decode_tp", ["--cp", "1,3"], "4", "argument --cp: expected divisors of the world size 4, got '1,3'"),
+    ("decode_tp", ["--cp", "2", "--attention", "sdpa"], "4", "argument --attention: expected lean with --cp > 1"),
+    ("decode_tp", ["--cp", "4", "--model", "llama-3-8b"], "12", "argument --model: cannot shard attention: "
+     "expected n_heads divisible by world_size, got n_heads=32, n_kv_heads=8, world_size=3"),
     ("deepspeed", [], "4", "world size 4 (the launcher's --nproc_per_node or --num_gpus): tp_size: expected at most"),
 ])  # fmt: skip
 def test_a_world_size_the_model_cannot_use_gives_one_line(name, argv, world, message, capsys, monkeypatch):

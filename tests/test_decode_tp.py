@@ -36,14 +36,19 @@ def test_single_process_defaults_check():
     assert "world 1" in out and "check: OK" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("world", [8], ids=lambda w: f"world{w}")
-def test_tp_matches_single_process(world):
-    """Ragged batch, eager; 8 ranks replicate each of tiny's 2 KV heads 4 times. tests/test_tp.py
-    checks the head plan for every world size; 1 rank is test_single_process_defaults_check, and 2
-    ranks the compiled test below (SDPA's decode path is tests/test_model.py's, sharded the same)."""
-    out = _expect_ok(_torchrun(world, EXAMPLE, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
-    assert f"world {world}" in out and f"rank {world - 1}:" in out
-    assert "check: OK (48 of 48 tokens identical" in out, out
+@pytest.mark.parametrize("world,cp", [(2, "2"), (4, "2"), (8, "1,4,8")], ids=["world2", "world4", "world8"])
+def test_tp_and_cp_match_single_process(world, cp):
+    """Ragged batch, eager, each layout (TP x CP) of one launch against one process: TP 1 x CP 2,
+    TP 2 x CP 2, then TP 8 (each of tiny's 2 KV heads replicated on 4 ranks), TP 2 x CP 4 and
+    TP 1 x CP 8. CP deals each head's sequence in runs of 16 tokens, so the 1- and 17-token
+    prompts leave most ranks without a key of their sequence (they merge as lse -inf).
+    tests/test_tp.py checks the head plan for every world size; 1 rank is
+    test_single_process_defaults_check (SDPA's decode path is tests/test_model.py's, sharded the same)."""
+    out = _expect_ok(_torchrun(world, EXAMPLE, "--cp", cp, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
+    for c in map(int, cp.split(",")):
+        assert f"world {world}" + (f" (tp {world // c} x cp {c})" if c > 1 else ",") in out, out
+    assert f"rank {world - 1}:" in out
+    assert out.count("check: OK (48 of 48 tokens identical") == len(cp.split(",")), out
 
 
 def test_tp_compiled_matches_single_process():
@@ -57,14 +62,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_ranks(world: int, cmd: list[str], started: int | None = None) -> list[subprocess.Popen]:
+def _spawn_ranks(world: int, cmd, started: int | None = None) -> list[subprocess.Popen]:
     """The ranks of a job started by hand (no torchrun supervising them), as torchrun would set them
-    up; only the first ``started`` of them when given."""
+    up; only the first ``started`` of them when given. ``cmd``: a command, or rank -> command."""
     port, procs = _free_port(), []
     for rank in range(world if started is None else started):
         env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                             "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        argv = cmd(rank) if callable(cmd) else cmd
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
@@ -81,13 +87,26 @@ def test_unshardable_heads_fail_on_every_rank():
         assert (message in err) == (rank == 0), err
 
 
+def test_ranks_started_with_different_settings_all_stop():
+    """Each rank's flags are valid alone (--cp 1 and --cp 2 both divide 2 ranks); the ranks compare
+    them after joining, before any work, and all exit 2 with one line from rank 0."""
+    procs = _spawn_ranks(2, lambda rank: [sys.executable, str(EXAMPLE), "--cp", str(rank + 1)])
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+        message = ("decode_tp.py: error: ranks were started with different settings: expected one --cp, "
+                   "got [1] on rank 0, [2] on rank 1")
+        assert (message in err) == (rank == 0), err
+
+
 @pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
 def test_failing_rank_ends_the_job_within_the_timeout(mode):
     """Without torchrun to kill the job, the healthy rank must still stop: at once when the peer's
-    connection drops, and after the process-group timeout when the peer is alive but stuck."""
+    connection drops, and after the process-group timeout when the peer is alive but stuck (under
+    context parallelism, stuck in the CP subgroup's all-gather, whose timeout is the job's)."""
     timeout_s = 8
     start = time.monotonic()
-    procs = _spawn_ranks(2, [sys.executable, str(WORKER), mode, str(timeout_s)])
+    procs = _spawn_ranks(2, [sys.executable, str(WORKER), mode, str(timeout_s), "2" if mode == "hang" else "1"])
     try:
         _, err = procs[0].communicate(timeout=120)
         elapsed = time.monotonic() - start

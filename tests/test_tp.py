@@ -1,4 +1,5 @@
-"""Head sharding rules, in-place sharding of the model, sharded weights and the traced all-reduce.
+"""Head sharding rules, in-place sharding of the model (TP and TP x CP), sharded weights and the
+traced collectives.
 
 The multi-process runs (gloo, 1-8 ranks) are in test_decode_tp.py.
 """
@@ -9,7 +10,16 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lean_tp.distributed import apply_tp, check_shardable, describe_grid, plan_heads, torchrun_env
+from lean_tp.distributed import (
+    ContextShard,
+    ParallelGroups,
+    apply_tp,
+    check_shardable,
+    describe_grid,
+    plan_heads,
+    torchrun_env,
+)
+from lean_tp.distributed import env as dist_env
 from lean_tp.distributed.env import init_distributed
 from lean_tp.generate import decode_one
 from lean_tp.model import CONFIGS, build_model
@@ -69,6 +79,48 @@ def test_real_configs_shard_on_meta(name, world):
     assert len(model.tp_shards) == (7 * args.n_layers if world > 1 else 0)
 
 
+@pytest.mark.parametrize("name,world,cp", [("llama-3-70b", 16, 2), ("llama-3-8b", 8, 4), ("tiny", 8, 8)])
+def test_context_parallel_shards_on_meta(name, world, cp):
+    """TP x CP: heads over tp = world / cp ranks (consecutive ranks), each head's sequence over cp
+    ranks tp apart, the MLP over all ranks; KV memory per rank falls as 1 / cp beyond the heads."""
+    args, tp = CONFIGS[name], world // cp
+    for rank in (0, world - 1):
+        model = build_model(name)
+        apply_tp(model, rank, world, cp, ParallelGroups(None, None, None))  # groups are used only when run
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert attn.q_proj.weight.shape == (args.n_heads // tp * args.head_dim, args.dim)
+        assert attn.n_kv_heads == max(args.n_kv_heads // tp, 1)
+        assert mlp.down_proj.weight.shape == (args.dim, args.intermediate_size // world)
+        assert attn.cp == ContextShard(cp, rank // tp)
+        model.setup_caches(1, 4096)
+        slots = -(-4096 // (16 * cp)) * 16 + 1  # this rank's share of 4096 positions, plus the spare slot
+        assert attn.kv_cache.k.shape == (1, attn.n_kv_heads, slots, args.head_dim)
+        assert model.cache_capacity() == 4096
+
+
+def test_context_parallel_errors():
+    with pytest.raises(ValueError, match="expected a cp size that divides world_size, got cp=3, world_size=4"):
+        check_shardable(CONFIGS["tiny"], 4, 3)
+    with pytest.raises(ValueError, match=r"n_heads=8, n_kv_heads=2, world_size=3"):  # tp = 6 / 2
+        check_shardable(CONFIGS["tiny"], 6, 2)
+    with pytest.raises(ValueError, match="groups: expected the ParallelGroups of the job with cp > 1, got None"):
+        apply_tp(build_model("tiny"), 0, 4, 2)
+    model = build_model("tiny")
+    apply_tp(model, 0, 2, 2, ParallelGroups(None, None, None))
+    with pytest.raises(ValueError, match="impl: expected 'lean' under context parallelism"):
+        model.set_attention("sdpa")
+
+
+def test_disagreement_names_the_setting_and_every_ranks_value(monkeypatch):
+    ctx = dist_env.DistContext(0, 3, 0, torch.device("cpu"), None)
+    ranks = [{"cp": 2, "gen": 8}, {"cp": 2, "gen": 8}, {"cp": 2, "gen": 9}]
+    monkeypatch.setattr(dist_env, "gather_objects", lambda _ctx, _obj: ranks)
+    assert dist_env.disagreement(ctx, ranks[0]) == ("ranks were started with different settings: expected one gen, "
+                                                    "got 8 on rank 0, 8 on rank 1, 9 on rank 2")
+    ranks[2]["gen"] = 8
+    assert dist_env.disagreement(ctx, ranks[0]) is None
+
+
 def test_sharded_random_weights_are_slices_of_the_full_ones():
     full = build_model("tiny")
     init_random_weights(full, 7, "cpu", torch.float32)
@@ -84,29 +136,45 @@ def test_sharded_random_weights_are_slices_of_the_full_ones():
         assert torch.equal(kv, full_params["model.layers.0.self_attn.k_proj.weight"][64 * (rank // 2): 64 * (rank // 2 + 1)])
 
 
-def test_decode_step_graph_has_attention_and_all_reduces():
-    """Traced with a fake 2-rank process group: one graph (fullgraph) holding each layer's lean op
-    and its two all-reduces (o_proj and down_proj)."""
+def _traced_decode_step(rank: int, cp: int) -> str:
+    """The code of the one graph (fullgraph) of a decode step of tiny on rank ``rank`` of a fake
+    2-rank process group, with ``cp`` context-parallel ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=rank, world_size=2)
     try:
         model = build_model("tiny")
-        apply_tp(model, 0, 2)
+        world = dist.group.WORLD
+        apply_tp(model, rank, 2, cp, ParallelGroups(world, world if cp == 1 else None, world if cp > 1 else None))
         init_random_weights(model, 0, "cpu", torch.float32)
-        model.setup_caches(2, 16)
+        model.setup_caches(2, 64)
         graphs = []
         torch._dynamo.reset()
         step = torch.compile(decode_one, backend=lambda gm, _: graphs.append(gm.code) or gm.forward, fullgraph=True)
         with torch.inference_mode():
-            step(model, torch.zeros(2, dtype=torch.long), torch.tensor([1, 4], dtype=torch.int32))
+            step(model, torch.zeros(2, dtype=torch.long), torch.tensor([1, 40], dtype=torch.int32))
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
-    n_layers = CONFIGS["tiny"].n_layers
     assert len(graphs) == 1
-    assert graphs[0].count("lean_tp.decode_attention") == n_layers
-    assert graphs[0].count("all_reduce") == 2 * n_layers
+    return graphs[0]
+
+
+def test_decode_step_graph_has_attention_and_all_reduces():
+    """TP 2: each layer's lean op and its two all-reduces (o_proj and down_proj)."""
+    graph, n_layers = _traced_decode_step(0, 1), CONFIGS["tiny"].n_layers
+    assert graph.count("lean_tp.decode_attention") == n_layers
+    assert graph.count("all_reduce") == 2 * n_layers
+
+
+def test_context_parallel_step_graph_has_one_all_gather_per_layer():
+    """TP 1 x CP 2: each layer runs the lean op on its share, one all-gather of the (out, lse)
+    partials, the merge op, and the MLP's all-reduce (o_proj needs none with one TP rank)."""
+    graph, n_layers = _traced_decode_step(1, 2), CONFIGS["tiny"].n_layers
+    assert graph.count("lean_tp.decode_attention") == n_layers
+    assert graph.count("all_gather_into_tensor") == n_layers
+    assert graph.count("lean_tp.merge_attention") == n_layers
+    assert graph.count("all_reduce") == n_layers
 
 
 @pytest.mark.parametrize("env,match", [

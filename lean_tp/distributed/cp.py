@@ -34,6 +34,8 @@ from lean_tp.ops.merge_attention import merge_attention
 # where CP pays) and is the smallest page size the paged layouts take, so a paged per-rank cache
 # would hold whole pages.
 CP_BLOCK = 16
+# torch 2.13 renamed the functional all-gather; torch 2.11 has only the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 # The ends of the per-query ranges of a Tq > 1 step span at most Tq - 1 slots each; they are
 # copied into one page of this many slots (a page size the op takes).
 EDGE_SLOTS = MAX_QUERY_TOKENS
@@ -155,7 +157,7 @@ def exchange_and_merge(out: torch.Tensor, lse: torch.Tensor, group: dist.Process
     if group is None or dist.get_world_size(group) == 1:
         return out, lse
     packed = torch.cat([out.float(), lse[..., None]], dim=-1)
-    gathered = funcol.all_gather_tensor(packed.unsqueeze(0), gather_dim=0, group=group)
+    gathered = _all_gather(packed.unsqueeze(0), gather_dim=0, group=group)
     merged, merged_lse = merge_attention(gathered[..., :-1].contiguous(), gathered[..., -1].contiguous())
     return merged.to(out.dtype), merged_lse
 

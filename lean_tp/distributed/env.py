@@ -25,10 +25,20 @@ class DistContext:
     local_rank: int
     device: torch.device
     group: dist.ProcessGroup | None  # None for a single process
+    timeout_s: float = DEFAULT_TIMEOUT_S  # of every collective, in the subgroups too
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of a TP x CP job (``init_parallel_groups``)."""
+
+    world: dist.ProcessGroup  # every rank: the MLP's all-reduce
+    tp: dist.ProcessGroup  # the ranks that hold this rank's share of the sequence: o_proj's all-reduce
+    cp: dist.ProcessGroup | None  # the ranks that hold this rank's heads: the attention merge
 
 
 def _env_int(name: str, default: int | None, upper: int | None = None) -> int:
@@ -96,7 +106,25 @@ def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEO
         device_id=dev if dev.type == "cuda" else None,
     )
     atexit.register(shutdown)
-    return DistContext(rank, world_size, local_rank, dev, dist.group.WORLD)
+    return DistContext(rank, world_size, local_rank, dev, dist.group.WORLD, timeout_s)
+
+
+def init_parallel_groups(ctx: DistContext, cp: int) -> ParallelGroups | None:
+    """The TP and CP subgroups of a world of TP x ``cp`` ranks, rank = cp_rank * tp + tp_rank (every
+    rank must call it; None for one process). They keep the job's timeout: a dead rank ends a
+    subgroup's collective with an error too."""
+    if ctx.group is None:
+        return None
+    if cp < 1 or ctx.world_size % cp:
+        raise ValueError(f"cp: expected a divisor of the world size {ctx.world_size}, got {cp}")
+    tp, timeout = ctx.world_size // cp, timedelta(seconds=ctx.timeout_s)
+    if cp == 1:
+        return ParallelGroups(ctx.group, ctx.group, None)
+    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(c * tp, (c + 1) * tp)) for c in range(cp)],
+                                                    timeout=timeout)  # fmt: skip
+    cp_group, _ = dist.new_subgroups_by_enumeration([list(range(t, ctx.world_size, tp)) for t in range(tp)],
+                                                    timeout=timeout)  # fmt: skip
+    return ParallelGroups(ctx.group, tp_group, cp_group)
 
 
 def shutdown() -> None:
@@ -112,6 +140,18 @@ def gather_objects(ctx: DistContext, obj: object) -> list[object]:
     out: list[object] = [None] * ctx.world_size
     dist.all_gather_object(out, obj, group=ctx.group)
     return out
+
+
+def disagreement(ctx: DistContext, settings: dict[str, object]) -> str | None:
+    """None if every rank was started with the same ``settings``, else a sentence naming the first
+    that differs, the same on every rank (each compares all ranks' settings)."""
+    everyone = gather_objects(ctx, settings)
+    for name, value in settings.items():
+        values = [s.get(name) for s in everyone]
+        if any(v != values[0] for v in values):
+            ranks = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            return f"ranks were started with different settings: expected one {name}, got {ranks}"
+    return None
 
 
 def all_ranks_agree(ctx: DistContext, ok: bool) -> bool:

@@ -1,4 +1,4 @@
-"""Tensor parallelism for ``lean_tp.model.Transformer``, applied to a built model in place.
+"""Tensor (and context) parallelism for ``lean_tp.model.Transformer``, applied to a built model in place.
 
 Attention is sharded by heads: q/k/v projections are column-parallel (each rank keeps the rows of
 its heads) and o_proj is row-parallel (the matching columns), so attention itself needs no
@@ -8,21 +8,29 @@ row-parallel outputs per layer are summed with a functional-collective all-reduc
 ``torch.compile(fullgraph=True)`` traces into the graph. Embedding, norms and LM head are replicated.
 
 When ``Hkv`` is not a multiple of the world size but each rank's query heads fall in one KV group,
-that KV head is replicated on the ranks that need it.
+that KV head is replicated on the ranks that need it. Context parallelism (``cp`` > 1) puts those
+ranks to use instead: the world is TP x CP, heads are sharded over TP, and each head's sequence
+over the CP ranks that hold it (``lean_tp.distributed.cp``), which merge their attention partials
+with one all-gather per layer; the MLP is sharded over the whole world.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from lean_tp.model import ModelArgs, Transformer
+from lean_tp.distributed.cp import ContextShard
+from lean_tp.distributed.env import ParallelGroups
 from lean_tp.ops.decode_attention.checks import uses_triton
 from lean_tp.ops.decode_attention.launcher import KernelFeatures, grid_size
+
+if TYPE_CHECKING:  # lean_tp.model imports lean_tp.distributed.cp, so not at run time
+    from lean_tp.model import ModelArgs, Transformer
 
 
 @dataclass(frozen=True)
@@ -67,12 +75,15 @@ def plan_heads(n_heads: int, n_kv_heads: int, world_size: int, rank: int) -> Hea
     )
 
 
-def check_shardable(args: ModelArgs, world_size: int) -> None:
-    """Raise ``ValueError`` if ``args`` cannot run on ``world_size`` ranks. Reads only the config, so
-    every rank raises the same error before any collective."""
+def check_shardable(args: ModelArgs, world_size: int, cp: int = 1) -> None:
+    """Raise ``ValueError`` if ``args`` cannot run on ``world_size`` ranks, ``cp`` of them context
+    parallel. Reads only the config, so every rank raises the same error before any collective."""
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    plan_heads(args.n_heads, args.n_kv_heads, world_size, 0)
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"cannot shard the context: expected a cp size that divides world_size, got cp={cp}, "
+                         f"world_size={world_size}")  # fmt: skip
+    plan_heads(args.n_heads, args.n_kv_heads, world_size // cp, 0)
     if args.intermediate_size % world_size:
         raise ValueError(
             "cannot shard the MLP: expected intermediate_size divisible by world_size, "
@@ -98,25 +109,34 @@ def _all_reduce_output(group: dist.ProcessGroup):
     return hook
 
 
-def apply_tp(model: Transformer, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
-    """Shard ``model`` in place for ``rank`` of ``world_size`` (works on a meta model too).
+def apply_tp(model: Transformer, rank: int, world_size: int, cp: int = 1, groups: ParallelGroups | None = None) -> None:
+    """Shard ``model`` in place for ``rank`` of ``world_size`` = TP x ``cp`` ranks (works on a meta model too).
 
-    Records ``model.tp_shards``: parameter name -> ``Shard``, which weight loaders use to read only
-    this rank's part of each full tensor. Call before ``setup_caches`` so caches hold local heads.
+    Rank ``r`` is TP rank ``r % tp`` of CP rank ``r // tp``: the ranks of a TP group are consecutive
+    (one node), and the CP ranks of a head are ``tp`` apart. Attention is sharded by heads over TP
+    and, with ``cp`` > 1, each head's sequence over its CP ranks (``ContextShard``); the attention
+    projections are replicated across CP ranks, the MLP is sharded over all ranks. ``groups``
+    defaults to the world for TP alone. Records ``model.tp_shards``: parameter name -> ``Shard``,
+    which weight loaders use to read only this rank's part of each full tensor. Call before
+    ``setup_caches`` so caches hold local heads and shares.
     """
     args = model.args
-    check_shardable(args, world_size)
+    check_shardable(args, world_size, cp)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected in [0, {world_size}), got {rank}")
     model.tp_shards = {}
     if world_size == 1:
         return
-    plan = plan_heads(args.n_heads, args.n_kv_heads, world_size, rank)
+    if groups is None:
+        if cp > 1:
+            raise ValueError("groups: expected the ParallelGroups of the job with cp > 1, got None")
+        groups = ParallelGroups(dist.group.WORLD, dist.group.WORLD, None)
+    tp = world_size // cp
+    plan = plan_heads(args.n_heads, args.n_kv_heads, tp, rank % tp)
     d, inter = args.head_dim, args.intermediate_size // world_size
     q_rows = (plan.q_start * d, (plan.q_start + plan.n_q) * d)
     kv_rows = (plan.kv_start * d, (plan.kv_start + plan.n_kv) * d)
     mlp_rows = (rank * inter, (rank + 1) * inter)
-    group = group if group is not None else dist.group.WORLD
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         parts = {
@@ -131,8 +151,11 @@ def apply_tp(model: Transformer, rank: int, world_size: int, group: dist.Process
         for name, (linear, dim, (start, stop)) in parts.items():
             model.tp_shards[f"model.layers.{i}.{name}.weight"] = _shard_linear(linear, dim, start, stop)
         attn.n_heads, attn.n_kv_heads = plan.n_q, plan.n_kv
-        attn.o_proj.register_forward_hook(_all_reduce_output(group))
-        mlp.down_proj.register_forward_hook(_all_reduce_output(group))
+        if cp > 1:
+            attn.cp, attn.cp_group = ContextShard(cp, rank // tp), groups.cp
+        if tp > 1:
+            attn.o_proj.register_forward_hook(_all_reduce_output(groups.tp))
+        mlp.down_proj.register_forward_hook(_all_reduce_output(groups.world))
 
 
 def describe_grid(model: Transformer) -> str:
