@@ -1,5 +1,6 @@
-"""examples/decode_tp.py under torchrun (gloo, CPU): TP equals one process for 1, 2 and 8 ranks, compiled
-and eager; bad configurations fail on every rank; a failing, dead or stuck rank ends the job."""
+"""examples/decode_tp.py under torchrun (gloo, CPU): TP x CP layouts on 1, 2, 4 and 8 ranks equal one
+process, compiled and eager; bad configurations and ranks started with different flags fail on every
+rank; a failing, dead or stuck rank ends the job."""
 
 import os
 import socket
@@ -36,24 +37,23 @@ def test_single_process_defaults_check():
     assert "world 1" in out and "check: OK" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("world,cp", [(2, "2"), (4, "2"), (8, "1,4,8")], ids=["world2", "world4", "world8"])
-def test_tp_and_cp_match_single_process(world, cp):
-    """Ragged batch, eager, each layout (TP x CP) of one launch against one process: TP 1 x CP 2,
-    TP 2 x CP 2, then TP 8 (each of tiny's 2 KV heads replicated on 4 ranks), TP 2 x CP 4 and
-    TP 1 x CP 8. CP deals each head's sequence in runs of 16 tokens, so the 1- and 17-token
-    prompts leave most ranks without a key of their sequence (they merge as lse -inf).
-    tests/test_tp.py checks the head plan for every world size; 1 rank is
+@pytest.mark.parametrize("world,cp,compiled", [(2, "2", False), (4, "2", True), (8, "1,4,8", False)],
+                         ids=["world2", "world4-compiled", "world8"])  # fmt: skip
+def test_tp_and_cp_match_single_process(world, cp, compiled):
+    """Ragged batch, each layout (TP x CP) of one launch against one process: TP 1 x CP 2; TP 2 x
+    CP 2 compiled (fullgraph, with o_proj's all-reduce on the TP group, the all-gather on the CP
+    group and the MLP's all-reduce on the world); then TP 8 (each of tiny's 2 KV heads replicated
+    on 4 ranks), TP 2 x CP 4 and TP 1 x CP 8. CP deals each head's sequence in runs of 16 tokens,
+    so the 1- and 17-token prompts leave most ranks without a key of their sequence (they merge as
+    lse -inf). tests/test_tp.py checks the head plan for every world size; 1 rank is
     test_single_process_defaults_check (SDPA's decode path is tests/test_model.py's, sharded the same)."""
-    out = _expect_ok(_torchrun(world, EXAMPLE, "--cp", cp, "--check", "--batch", "4", "--prompt-len", RAGGED, "--gen", "12"))
+    gen = 8 if compiled else 12
+    args = ["--cp", cp, "--check", "--prompt-len", RAGGED, "--gen", str(gen)] + (["--compile"] if compiled else [])
+    out = _expect_ok(_torchrun(world, EXAMPLE, *args))
     for c in map(int, cp.split(",")):
         assert f"world {world}" + (f" (tp {world // c} x cp {c})" if c > 1 else ",") in out, out
-    assert f"rank {world - 1}:" in out
-    assert out.count("check: OK (48 of 48 tokens identical") == len(cp.split(",")), out
-
-
-def test_tp_compiled_matches_single_process():
-    out = _expect_ok(_torchrun(2, EXAMPLE, "--check", "--compile", "--prompt-len", RAGGED, "--gen", "8"))
-    assert "compile on" in out and "check: OK" in out
+    assert f"rank {world - 1}:" in out and ("compile on" in out) == compiled
+    assert out.count(f"check: OK ({4 * gen} of {4 * gen} tokens identical") == len(cp.split(",")), out
 
 
 def _free_port() -> int:
