@@ -4,6 +4,7 @@ combine kernels, in modelled time on an A100 or an H100.
     python -m lean_tp.simulate --gpu A100 H100 --batch 4 --heads 32 --kv-heads 8 --lens 65536
     python -m lean_tp.simulate --model llama-3-70b --tp 8 --batch 1 --lens 32768    # one rank of TP=8
     python -m lean_tp.simulate --tp-sweep --json sweep.json                         # every preset, B 1-64, 1k-1M
+    python -m lean_tp.simulate --cp-sweep --gpu H100                                # TP alone vs TP x CP, 8 and 16 GPUs
     python -m lean_tp.simulate --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
 
 - **lean**: the kernel's own schedule and merge tree (``lean_schedule``/``merge_plan`` run the
@@ -438,6 +439,35 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_cp_sweep(rows: list[dict], path: str) -> None:
+    """KV memory and modelled attention time per rank against context: TP alone and TP x CP, per
+    GPU count, for the first GPU's rows at the largest batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpu, batch = rows[0]["gpu"], max(r["batch"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r_key, ax, label in (("kv_gb_per_rank", axes[0], "KV cache per rank (GB, all layers)"),
+                             ("attention_us", axes[1], "attention per layer per rank (us, modelled)")):  # fmt: skip
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["gpu"] == gpu and r["batch"] == batch:
+                lines.setdefault(f"{r['model']} {r['gpus']} GPUs TP{r['tp']}xCP{r['cp']}", []).append((r["context"], r[r_key]))
+        for name, points in sorted(lines.items()):
+            ax.plot(*zip(*sorted(points)), marker="o", markersize=3, label=name, linestyle="-" if "CP1" in name else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(label)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{gpu}, batch {batch}: TP alone (solid) against TP x CP (dashed), CP exchange counted")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def paper_problems() -> list[Problem]:
     """The paper's sweeps (context, heads, batch) with D=128 plus ragged batches and Llama-3-70B/TP8."""
     problems = [Problem((n,) * 4, 32, 32) for n in (1024, 4096, 16384, 65536, 262144)]
@@ -461,6 +491,87 @@ def tp_sweep_problems(tp: int) -> list[tuple[str, int, int, Problem]]:
         rank_hq, rank_hkv = rank_heads(hq, hkv, tp)
         out += [(name, b, n, Problem((n,) * b, rank_hq, rank_hkv, d)) for b in SWEEP_BATCHES for n in SWEEP_CONTEXTS]
     return out
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link between the ranks of a collective (sources in ``LINK_SOURCES``)."""
+
+    name: str
+    gbps: float  # GB/s per GPU, one direction
+    latency_us: float  # a small collective's fixed cost over this link
+
+
+# (A100 link, H100 link) by kind; a collective whose ranks span nodes runs at the network's figures.
+LINKS = {
+    "nvlink": (Link("NVLink 3", 300.0, 10.0), Link("NVLink 4", 450.0, 10.0)),
+    "network": (Link("HDR InfiniBand", 25.0, 20.0), Link("NDR InfiniBand", 50.0, 20.0)),
+}
+LINK_SOURCES = {
+    "gbps": "NVIDIA A100 and H100 (SXM) whitepapers: NVLink 600 and 900 GB/s per GPU, both directions together; "
+            "one 200 Gb/s HDR (A100 systems) or 400 Gb/s NDR (H100 systems) InfiniBand adapter per GPU (DGX A100 "
+            "and DGX H100 user guides)",
+    "latency_us": "assumed, unmeasured here: NCCL's small-message collectives take ~10 us within an NVSwitch node "
+                  "and ~20 us across InfiniBand nodes",
+    "gpus_per_node": "8 GPUs per node (DGX/HGX A100 and H100)",
+}  # fmt: skip
+GPUS_PER_NODE = 8
+CP_GPU_COUNTS = (8, 16)
+CP_CONTEXTS = (32768, 131072, 524288, 1048576)
+CP_BATCHES = (1, 8)
+# Per-layer figures become per-model ones with the presets' layer counts (their Hugging Face configs).
+PRESET_LAYERS = {"llama-3-8b": 32, "llama-3-70b": 80, "qwen2.5-72b": 80, "mixtral-8x7b": 32}
+
+
+def cp_layouts(n_heads: int, n_kv_heads: int, gpus: int) -> list[tuple[int, int]]:
+    """(tp, cp) pairs to compare on ``gpus`` ranks: TP alone, and TP over the KV heads with the rest
+    as CP (or, with no more ranks than KV heads, TP / 2 x CP 2, to show what CP costs there)."""
+    tp = min(n_kv_heads, gpus) if gpus > n_kv_heads else gpus // 2
+    layouts = [(gpus, 1)] if n_heads % gpus == 0 else []
+    return layouts + ([(tp, gpus // tp)] if tp >= 1 and n_heads % tp == 0 and gpus % tp == 0 else [])
+
+
+def cp_merge_us(batch: int, n_heads: int, head_dim: int, tp: int, cp: int, gpu: GPUModel) -> float:
+    """The CP exchange of one layer: an all-gather of every rank's (out, lse) partials, float32
+    (B x Hq x (D + 1) x 4 bytes a rank), over NVLink when the world fits in one node and over the
+    network otherwise (CP ranks are tp apart), then the merge kernel's launch gap."""
+    if cp == 1:
+        return 0.0
+    link = LINKS["nvlink" if tp * cp <= GPUS_PER_NODE else "network"][gpu.name == "H100"]
+    partial = batch * n_heads * (head_dim + 1) * 4
+    return link.latency_us + (cp - 1) * partial / (link.gbps * 1e3) + gpu.launch_gap_us
+
+
+def cp_sweep_cases() -> list[tuple[str, int, int, int, int, int, Problem]]:
+    """(preset, GPUs, tp, cp, batch, context, one rank's problem) of the CP sweep."""
+    cases = []
+    for name, (hq, hkv, d) in MODEL_PRESETS.items():
+        for gpus in CP_GPU_COUNTS:
+            for tp, cp in cp_layouts(hq, hkv, gpus):
+                rank_hq, rank_hkv = rank_heads(hq, hkv, tp)
+                cases += [(name, gpus, tp, cp, b, n, Problem((-(-n // cp),) * b, rank_hq, rank_hkv, d))
+                          for b in CP_BATCHES for n in CP_CONTEXTS]  # fmt: skip
+    return cases
+
+
+def cp_row(case: tuple, row: dict, gpu: GPUModel) -> dict:
+    """One rank's KV memory and modelled attention time per layer (lean kernel + CP exchange)."""
+    name, gpus, tp, cp, batch, context, problem = case
+    merge = cp_merge_us(batch, problem.n_heads, problem.head_dim, tp, cp, gpu)
+    kv_gb = PRESET_LAYERS[name] * problem.kv_bytes / 1e9
+    return {"gpu": gpu.name, "model": name, "gpus": gpus, "tp": tp, "cp": cp, "batch": batch, "context": context,
+            "rank_problem": problem.describe(), "kv_gb_per_rank": kv_gb, "lean_us": row["lean_us"],
+            "cp_merge_us": merge, "attention_us": row["lean_us"] + merge}  # fmt: skip
+
+
+def format_cp_table(rows: list[dict]) -> str:
+    head = "| GPU | model | GPUs | TP x CP | B | context | rank shape | KV GB / rank | kernel us | CP merge us | attention us / layer |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['gpu']} | {r['model']} | {r['gpus']} | {r['tp']} x {r['cp']} | {r['batch']} | {r['context']} "
+                     f"| {r['rank_problem']} | {r['kv_gb_per_rank']:.1f} | {r['lean_us']:.1f} | {r['cp_merge_us']:.1f} "
+                     f"| {r['attention_us']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _ensure_schedule_backend(argv: list[str]) -> None:
@@ -488,6 +599,8 @@ def _parser() -> cli.ArgumentParser:
     p.add_argument("--programs-per-sm", type=cli.integer(1, 64), help="lean grid = SMs x this (default: the tuning table's cap)")
     p.add_argument("--paper", action="store_true", help="the paper's shapes instead of one problem")
     p.add_argument("--tp-sweep", action="store_true", help="every preset at --tp (default 8), batch 1-64, context 1k-1M")
+    p.add_argument("--cp-sweep", action="store_true",
+                   help="every preset on 8 and 16 GPUs, TP alone against TP x CP: KV memory and attention time per rank")
     p.add_argument("--json", metavar="PATH", type=cli.output_file, help="also write the rows as JSON to PATH ('-': stdout, no table)")
     p.add_argument("--plot", metavar="PNG", type=cli.output_file,
                    help="a Gantt chart (one problem, first --gpu) or the sweep's speedups")
@@ -513,7 +626,11 @@ def main(argv: list[str] | None = None) -> int:
         flag = {"--tp": "--tp", "lens": "--lens", "n_heads": "--heads", "capacity": "--capacity", "head_dim": "--head-dim"}
         p.error(f"argument {flag[name]}: {rest}" if name in flag else str(e))
     _ensure_schedule_backend(argv)
-    if args.tp_sweep:
+    if args.cp_sweep:
+        cases = cp_sweep_cases()
+        rows = table_rows_parallel([c[-1] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [cp_row(c, r, GPUS[r["gpu"]]) for c, r in zip((c for c in cases for _ in args.gpu), rows)]
+    elif args.tp_sweep:
         cases = tp_sweep_problems(args.tp)
         rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
         rows = [{"model": c[0], "tp": args.tp, "batch": c[1], "context": c[2], **r}
@@ -527,16 +644,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = [row_of(problem, GPUS[name], result) for name, result in results.items()]
     if args.json:
         text = json.dumps({"model": {g: dataclasses.asdict(GPUS[g]) for g in args.gpu}, "sources": MODEL_SOURCES,
-                           "rows": rows}, indent=1)  # fmt: skip
+                           **({"links": LINKS, "link_sources": LINK_SOURCES} if args.cp_sweep else {}),
+                           "rows": rows}, indent=1, default=dataclasses.asdict)  # fmt: skip
         if args.json == "-":
             print(text)
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        print(format_table(rows))
+        print(format_cp_table(rows) if args.cp_sweep else format_table(rows))
     if args.plot:
-        if args.tp_sweep:
+        if args.cp_sweep:
+            plot_cp_sweep(rows, args.plot)
+        elif args.tp_sweep:
             plot_sweep(rows, args.plot)
         else:
             plot_gantt(problem, GPUS[args.gpu[0]], results[args.gpu[0]], args.plot)

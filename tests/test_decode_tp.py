@@ -37,15 +37,15 @@ def test_single_process_defaults_check():
     assert "world 1" in out and "check: OK" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("world,cp,compiled", [(2, "2", False), (4, "2", True), (8, "1,4,8", False)],
-                         ids=["world2", "world4-compiled", "world8"])  # fmt: skip
+@pytest.mark.parametrize("world,cp,compiled", [(2, "2", True), (4, "2", False), (8, "1,4,8", False)],
+                         ids=["world2-compiled", "world4", "world8"])  # fmt: skip
 def test_tp_and_cp_match_single_process(world, cp, compiled):
-    """Ragged batch, each layout (TP x CP) of one launch against one process: TP 1 x CP 2; TP 2 x
-    CP 2 compiled (fullgraph, with o_proj's all-reduce on the TP group, the all-gather on the CP
-    group and the MLP's all-reduce on the world); then TP 8 (each of tiny's 2 KV heads replicated
-    on 4 ranks), TP 2 x CP 4 and TP 1 x CP 8. CP deals each head's sequence in runs of 16 tokens,
-    so the 1- and 17-token prompts leave most ranks without a key of their sequence (they merge as
-    lse -inf). tests/test_tp.py checks the head plan for every world size; 1 rank is
+    """Ragged batch, each layout (TP x CP) of one launch against one process: TP 1 x CP 2 compiled
+    (fullgraph: the CP all-gather, the merge op and the MLP's all-reduce in the graph); TP 2 x CP 2;
+    then TP 8 (each of tiny's 2 KV heads replicated on 4 ranks), TP 2 x CP 4 and TP 1 x CP 8. CP
+    deals each head's sequence in runs of 16 tokens, so the 1- and 17-token prompts leave most
+    ranks without a key of their sequence (they merge as lse -inf). tests/test_tp.py checks the
+    head plan for every world size and traces the TP step's all-reduces; 1 rank is
     test_single_process_defaults_check (SDPA's decode path is tests/test_model.py's, sharded the same)."""
     gen = 8 if compiled else 12
     args = ["--cp", cp, "--check", "--prompt-len", RAGGED, "--gen", str(gen)] + (["--compile"] if compiled else [])

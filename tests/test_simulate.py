@@ -11,8 +11,13 @@ import pytest
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN
 from lean_tp.simulate import (
     GPUS,
+    LINKS,
     MODEL_PRESETS,
     Problem,
+    cp_layouts,
+    cp_merge_us,
+    cp_row,
+    cp_sweep_cases,
     fa2_num_splits,
     fa2_splits,
     flex_splits,
@@ -126,3 +131,43 @@ def test_parallel_rows_match_sequential_rows_in_order():
     got = table_rows_parallel(problems, ["A100"], programs_per_sm=1, workers=2, progress=False)
     want = [row for prob in problems for row in table_rows(prob, ["A100"], programs_per_sm=1)]
     assert got == want and len(got) == 3
+
+
+def test_cp_layouts_compare_tp_alone_with_tp_over_the_kv_heads():
+    assert cp_layouts(64, 8, 16) == [(16, 1), (8, 2)]  # TP 16 replicates each KV head on 2 ranks
+    assert cp_layouts(64, 8, 8) == [(8, 1), (4, 2)]  # no more ranks than KV heads: CP only adds an exchange
+    assert cp_layouts(32, 4, 16) == [(16, 1), (4, 4)]
+
+
+def test_cp_exchange_model_and_rows():
+    """The exchange: a link's fixed cost plus (cp - 1) partials over it (NVLink inside a node, the
+    network when the ranks span nodes), then a merge launch; rows put the KV memory of every layer
+    beside the kernel and exchange time of one."""
+    nvlink, network = LINKS["nvlink"][1], LINKS["network"][1]
+    partial = 8 * 8 * 129 * 4
+    assert cp_merge_us(8, 8, 128, 4, 1, H100) == 0.0
+    assert cp_merge_us(8, 8, 128, 4, 2, H100) == pytest.approx(nvlink.latency_us + partial / 450e3 + 1.0)
+    assert cp_merge_us(8, 8, 128, 8, 2, H100) == pytest.approx(network.latency_us + partial / 50e3 + 1.0)
+    cases = {(c[0], c[1], c[2], c[4], c[5]): c for c in cp_sweep_cases()}
+    tp_only, cp = cases[("llama-3-70b", 16, 16, 8, 1048576)], cases[("llama-3-70b", 16, 8, 8, 1048576)]
+    assert tp_only[-1] == Problem((1048576,) * 8, 4, 1) and cp[-1] == Problem((524288,) * 8, 8, 1)
+    rows = [cp_row(c, {"lean_us": 100.0}, H100) for c in (tp_only, cp)]
+    assert rows[0]["kv_gb_per_rank"] == pytest.approx(80 * 8 * 1048576 * 512 / 1e9)  # 80 layers, 512 B a token
+    assert rows[1]["kv_gb_per_rank"] == pytest.approx(rows[0]["kv_gb_per_rank"] / 2)
+    assert rows[1]["attention_us"] == pytest.approx(100.0 + cp_merge_us(8, 8, 128, 8, 2, H100))
+
+
+def test_cli_cp_sweep_json_table_and_plot(tmp_path, capsys, monkeypatch):
+    """The sweep's wiring, with each rank problem's kernel time stubbed (the full sweep runs the
+    schedule for 52 problems: docs/simulator/cp.md)."""
+    import lean_tp.simulate as sim
+
+    stub = lambda problems, gpus, *_: [{"gpu": g, "lean_us": p.kv_bytes / 3e6} for p in problems for g in gpus]  # noqa: E731
+    monkeypatch.setattr(sim, "table_rows_parallel", stub)
+    png, out_json = tmp_path / "cp.png", tmp_path / "cp.json"
+    assert main(["--cp-sweep", "--gpu", "H100", "--json", str(out_json), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| H100 | llama-3-70b | 16 | 8 x 2 | 8 | 1048576 | B=8 Hq=8 Hkv=1 D=128 len 524288 |" in out
+    data = json.loads(out_json.read_text())
+    assert data["links"]["network"][1]["gbps"] == 50.0 and "latency_us" in data["link_sources"]
+    assert len(data["rows"]) == len(cp_sweep_cases()) and png.stat().st_size > 10_000
