@@ -66,8 +66,9 @@ def shard_cache(cache: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """(B, Hkv, N, D) -> this rank's (B, Hkv, capacity, D); slots past its share hold large values
     that would spoil the result if read."""
     n = cache.shape[2]
-    local = torch.full((*cache.shape[:2], shard.capacity(n) + 5, cache.shape[3]), 100.0).to(cache.dtype)
-    pos = shard.positions(n)
+    local = torch.full((*cache.shape[:2], shard.capacity(n) + 5, cache.shape[3]), 100.0, device=cache.device)
+    local = local.to(cache.dtype)
+    pos = shard.positions(n, cache.device)
     local[:, :, : pos.numel()] = cache[:, :, pos]
     return local
 
