@@ -439,30 +439,32 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def plot_cp_sweep(rows: list[dict], path: str) -> None:
-    """KV memory and modelled attention time per rank against context: TP alone and TP x CP, per
-    GPU count, for the first GPU's rows at the largest batch."""
+def plot_cp_sweep(rows: list[dict], path: str, model: str = "llama-3-70b") -> None:
+    """KV memory and modelled attention time per rank against context for ``model`` on the first
+    GPU's rows: one colour per layout, solid for batch 1 and dashed for the largest batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpu, batch = rows[0]["gpu"], max(r["batch"] for r in rows)
+    gpu = rows[0]["gpu"]
+    mine = [r for r in rows if r["gpu"] == gpu and r["model"] == model]
+    batches = (min(r["batch"] for r in mine), max(r["batch"] for r in mine))
+    layouts = sorted({(r["gpus"], r["tp"], r["cp"]) for r in mine})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r_key, ax, label in (("kv_gb_per_rank", axes[0], "KV cache per rank (GB, all layers)"),
-                             ("attention_us", axes[1], "attention per layer per rank (us, modelled)")):  # fmt: skip
-        lines: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["gpu"] == gpu and r["batch"] == batch:
-                lines.setdefault(f"{r['model']} {r['gpus']} GPUs TP{r['tp']}xCP{r['cp']}", []).append((r["context"], r[r_key]))
-        for name, points in sorted(lines.items()):
-            ax.plot(*zip(*sorted(points)), marker="o", markersize=3, label=name, linestyle="-" if "CP1" in name else "--")
+    for key, ax, label in (("kv_gb_per_rank", axes[0], "KV cache per rank (GB, all layers)"),
+                           ("attention_us", axes[1], "attention per layer per rank (us, modelled)")):  # fmt: skip
+        for i, (gpus, tp, cp) in enumerate(layouts):
+            for batch, style in zip(batches, ("-", "--")):
+                points = sorted((r["context"], r[key]) for r in mine if (r["gpus"], r["tp"], r["cp"], r["batch"]) == (gpus, tp, cp, batch))
+                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", markersize=3,
+                        label=f"{gpus} GPUs, TP {tp} x CP {cp}, B={batch}")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{gpu}, batch {batch}: TP alone (solid) against TP x CP (dashed), CP exchange counted")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{model} on {gpu}: one rank, TP alone against TP x CP (CP exchange counted, modelled)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
