@@ -17,6 +17,7 @@ run's tokens, and compares every token and the final logits.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import sys
 
@@ -180,6 +181,11 @@ def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt
     return True, f"{tokens}; final logits max |diff| {diff:.2g}"
 
 
+def _digest(result: Generation) -> str:
+    """The run's tokens and final logits, bit for bit: every rank must hold the same."""
+    return hashlib.sha256(result.tokens.numpy().tobytes() + result.logits.numpy().tobytes()).hexdigest()
+
+
 def report(args, ctx, dtype, prompt_lens, cp: int, result: Generation, share: float | None, grids: list) -> None:
     source = args.checkpoint or args.model
     layout = f" (tp {ctx.world_size // cp} x cp {cp})" if cp > 1 else ""
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 report(args, ctx, dtype, prompt_lens, cp, result, share, grids)
             if args.check:
                 ok, message = check(args, ctx, dtype, prompt_lens, result) if ctx.is_main else (True, "")
+                same = len(set(gather_objects(ctx, _digest(result)))) == 1
+                ok, message = ok and same, f"{message}; every rank's tokens and logits {'bitwise identical' if same else 'DIFFER'}"
                 ok = all_ranks_agree(ctx, ok)
                 all_ok &= ok
                 if ctx.is_main:

@@ -54,6 +54,7 @@ def test_tp_and_cp_match_single_process(world, cp, compiled):
         assert f"world {world}" + (f" (tp {world // c} x cp {c})" if c > 1 else ",") in out, out
     assert f"rank {world - 1}:" in out and ("compile on" in out) == compiled
     assert out.count(f"check: OK ({4 * gen} of {4 * gen} tokens identical") == len(cp.split(",")), out
+    assert out.count("every rank's tokens and logits bitwise identical)") == len(cp.split(",")), out
 
 
 def _free_port() -> int:
