@@ -57,6 +57,14 @@ def test_tp_and_cp_match_single_process(world, cp, compiled):
     assert out.count("every rank's tokens and logits bitwise identical)") == len(cp.split(",")), out
 
 
+def test_context_parallel_attention_features_under_gloo():
+    """Several query tokens, windows, sinks, softcap and fp8 through the real all-gather: each rank's
+    result against float64, and the same bits on both ranks (tests/cp_worker.py)."""
+    out = _expect_ok(_torchrun(2, ROOT / "tests" / "cp_worker.py", timeout=120))
+    for rank in (0, 1):
+        assert f"rank {rank}: 3 cases match float64, identical on all 2 ranks" in out, out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
