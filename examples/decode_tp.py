@@ -55,6 +55,8 @@ CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), tor
 # --kv-dtype fp8 is checked against the same model with a cache in --dtype: e4m3 keeps 3 mantissa
 # bits, so each K/V value is off by up to 2^-4 relative, and the logits by more than rounding.
 FP8_CHECK_TOLERANCE = (0.25, 0.1)
+# The attention share is profiled over this many extra steps, only after runs of more than twice
+# as many tokens: a shorter run (a --check in the tests, say) would profile little but warm-up.
 PROFILE_STEPS = 8
 PROGRESS_MIN_STEPS = 100
 
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_l
         generate(model, prompt, prompt_lens, min(args.gen, 4), step=step)
     result = generate(model, prompt, prompt_lens, args.gen, step=step,
                       progress=ctx.is_main and args.gen >= PROGRESS_MIN_STEPS)
-    share = attention_fraction(model, step, prompt_lens, min(PROFILE_STEPS, args.gen - 1), ctx.device)
+    share = attention_fraction(model, step, prompt_lens, profiled_steps(args.gen), ctx.device)
     return result, share, grids
 
 
@@ -186,6 +188,10 @@ def _digest(result: Generation) -> str:
     return hashlib.sha256(result.tokens.numpy().tobytes() + result.logits.numpy().tobytes()).hexdigest()
 
 
+def profiled_steps(gen: int) -> int:
+    return PROFILE_STEPS if gen > 2 * PROFILE_STEPS else 0
+
+
 def report(args, ctx, dtype, prompt_lens, cp: int, result: Generation, share: float | None, grids: list) -> None:
     source = args.checkpoint or args.model
     layout = f" (tp {ctx.world_size // cp} x cp {cp})" if cp > 1 else ""
@@ -198,7 +204,10 @@ def report(args, ctx, dtype, prompt_lens, cp: int, result: Generation, share: fl
         median = statistics.median(result.step_s)
         print(f"decode: {len(result.step_s)} steps, median {median * 1e3:.3f} ms/step, "
               f"{len(prompt_lens) / median:.1f} tokens/s")
-    print(f"attention: {'not measurable' if share is None else f'{share:.0%} of decode time (profiled over {min(PROFILE_STEPS, args.gen - 1)} steps)'}")
+    if not profiled_steps(args.gen):
+        print(f"attention: not profiled (runs of more than {2 * PROFILE_STEPS} tokens profile {PROFILE_STEPS} steps)")
+    else:
+        print(f"attention: {'not measurable' if share is None else f'{share:.0%} of decode time (profiled over {PROFILE_STEPS} steps)'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,10 @@ def _expect_ok(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_single_process_defaults_check():
-    out = _expect_ok(_run([sys.executable, str(EXAMPLE), "--check", "--gen", "8"]))
+    """One process, no process group; a run long enough to profile the attention share."""
+    out = _expect_ok(_run([sys.executable, str(EXAMPLE), "--check", "--gen", "17"]))
     assert "world 1" in out and "check: OK" in out and "tokens/s" in out
+    assert "of decode time (profiled over 8 steps)" in out, out
 
 
 @pytest.mark.parametrize("world,cp,compiled", [(2, "2", True), (4, "2", False), (8, "1,4,8", False)],
