@@ -65,11 +65,12 @@ def test_every_table_entry_compiles_for_every_layout(stats):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sm90_16bit_kernels_are_fast_by_construction(stats, layout):
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
     the next occupancy step; more than a few words would mean the loop's live state does not fit."""
-    rows = [s for s in _report_rows(stats) if s.arch == "sm90" and s.dtype == "fp16" and s.layout == layout
+    rows = [s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout
             and not s.features]  # fmt: skip
     assert rows
     for s in rows:

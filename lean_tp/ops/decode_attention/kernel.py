@@ -106,9 +106,10 @@ def _attend(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        # The next block's (row, position) is carried to the next iteration, so K/V addresses do
-        # not depend on a load of the same iteration and the pipeliner can multi-buffer paged
-        # K/V as it does contiguous K/V. The page lookup is shared by K and V.
+        # The next block's (row, position) is computed here and carried to the next iteration, so
+        # the pipeliner can multi-buffer paged K/V as it does contiguous K/V (kernel report: 2+
+        # buffers). The page lookup is shared by K and V. The compiled loop still consumes the
+        # block-table loads in the iteration that issues them (docs/design.md, "Grid sizing").
         o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
                                            PAGED, PAGE_SIZE)  # fmt: skip
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]

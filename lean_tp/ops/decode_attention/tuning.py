@@ -75,6 +75,12 @@ _PAPER_D64 = "LeanAttention paper: 256-token LeanTiles best for D=64 (fp16, A100
 _PAPER_D128 = "LeanAttention paper: 128-token LeanTiles best for D=128 (fp16, A100)"
 _D256 = "D=256 doubles bytes per token over D=128; halving the tile keeps bytes per tile equal"
 _STAGES = "; 3 stages: H100 has 228 KB smem/SM"
+# sm_80 with 2 stages compiles to one K/V buffer and cp.async.wait_group 0: no load overlaps compute
+# inside a program. 3 stages give 2 buffers (wait_group 2) and keep every kernel's programs/SM (2 for
+# D <= 128 on every layout and feature; kernel report: 72 KB smem a program, A100 164 KB/SM) but
+# D=64 contiguous's, which drops from 3 to 2: still 4 x 32 KB of K/V tiles per SM, 15x what
+# Little's law asks of an A100 SM (8 KB). Unmeasured on an A100.
+_STAGES80 = "; 3 stages: 2 K/V buffers at 2 programs/SM (kernel report), unmeasured"
 # Block sizes and caps below come from docs/kernel_report.md (compiled as launched, triton 3.7.1)
 # and its BLOCK_N = 128 trial (`python -m lean_tp.ops.kernel_report --set block_n=128`).
 _BN128 = ("; 128-key blocks: 3.8 SASS per key instead of 4.6 (paged16: 3.4 instead of 5.9) and 1.5x the K/V "
@@ -95,9 +101,9 @@ _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 2, 3, _PAPER_D64 + _BN128 + _FITS + _WAVE80, 8192),
-    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 2, 3, _PAPER_D128 + _BN64 + _FITS + _WAVE80, 8192),
-    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 2, 2, _D256 + _FITS + _WAVE80, 8192),
+    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80, 8192),
+    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _BN64 + _STAGES80 + _FITS + _WAVE80, 8192),
+    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES80 + _FITS + _WAVE80, 8192),
     ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90, 8192),
     ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90, 8192),
     ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90, 8192),
