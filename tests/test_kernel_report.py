@@ -76,7 +76,7 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     for s in rows:
         assert s.loop_spills == 0 and s.spill_bytes <= 32, s
         assert s.sass_per_iter > 0, s
-        assert s.kv_load_bytes == 16, s
+        assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
@@ -259,7 +259,7 @@ def test_grid_size_asks_for_the_calls_left_padding_and_features(monkeypatch):
 def test_issue_share_and_bytes_in_flight_follow_their_definitions():
     """sm_90 D=128 fp16, 64 keys per iteration: 32 KB of K and V take 32768 / (3.0 TB/s / 132 SMs)
     = 1.44 us = 2530 cycles at 1.755 GHz; 632 SASS x 4 warps / 4 schedulers = 632 issue cycles."""
-    row = KernelStats("sm90", 128, "fp16", "paged16", 4, False, "", 64, 4, 168, 0, 71680, 3, 16, 3, 1, 632, 0, 4, 222, 10)
+    row = KernelStats("sm90", 128, "fp16", "paged16", 4, False, "", 64, 4, 168, 0, 71680, 3, 16, 16, 3, 1, 632, 0, 4, 222, 10)
     assert row.kv_tile_bytes == 32768
     assert row.issue_share == pytest.approx(632 / (32768 / (3.0e12 / 132) * 1.755e9))
     assert 0.24 < row.issue_share < 0.26

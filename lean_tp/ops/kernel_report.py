@@ -13,9 +13,10 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
   program) when that reaches the next occupancy step (e.g. 128 registers: 2 programs of 8 warps);
   a spill inside the loop would cost on every K/V block;
 - ``programs_per_sm`` on an A100 (sm_80) or H100 (sm_90), from ``launcher.programs_per_sm``;
-- ``kv_load_bytes``: width of the K/V global loads, the most frequent width among ``cp.async``
-  copies (or ``ld.global`` data loads when nothing is copied asynchronously), since the K/V tiles
-  are by far the most numerous loads;
+- ``k_load_bytes``, ``v_load_bytes``: width of the K and of the V global loads, the most frequent
+  width among the ``cp.async`` copies of K's and of V's commit groups (the kernel loads each block's
+  K, then its V: the groups alternate), or among ``ld.global`` data loads for both when nothing is
+  copied asynchronously;
 - ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered), and
   ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none);
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
@@ -77,7 +78,8 @@ class KernelStats:
     spill_bytes: int
     shared_bytes: int
     programs_per_sm: int
-    kv_load_bytes: int
+    k_load_bytes: int
+    v_load_bytes: int
     kv_buffers: int
     wait_group: int
     sass_per_iter: int
@@ -184,12 +186,18 @@ def merge_loop_of_sass(text: str) -> tuple[int, int]:
     return _count(code, best, lambda op: True), _count(code, best, coherent)
 
 
-def _kv_load_bytes(ptx: str) -> int:
-    widths = [int(w, 16) for w in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?, (0x[0-9a-f]+)", ptx)]
-    if not widths:  # no async copies: data loads into registers (.cg loads are the merge's partials)
-        for vec, bits in re.findall(r"ld\.global(?:\.L1::\w+)?(?:\.v(\d))?\.b(\d+)", ptx):
-            widths.append(int(vec or 1) * int(bits) // 8)
-    return collections.Counter(widths).most_common(1)[0][0] if widths else 0
+def _kv_load_bytes(ptx: str) -> tuple[int, int]:
+    """(K, V) global load widths in bytes; see the module docstring."""
+    copy = r"cp\.async\.c[ag]\.shared\.global[^;]*?, (0x[0-9a-f]+)"
+    groups = [[int(w, 16) for w in re.findall(copy, g)] for g in ptx.split("cp.async.commit_group")]
+    groups = [g for g in groups if g]
+    if groups:
+        k, v = (collections.Counter(w for g in groups[i::2] for w in g) for i in (0, 1))
+        return k.most_common(1)[0][0], (v or k).most_common(1)[0][0]
+    # No async copies: data loads into registers (.cg loads are the merge's partials).
+    widths = [int(vec or 1) * int(bits) // 8 for vec, bits in re.findall(r"ld\.global(?:\.L1::\w+)?(?:\.v(\d))?\.b(\d+)", ptx)]
+    width = collections.Counter(widths).most_common(1)[0][0] if widths else 0
+    return width, width
 
 
 def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int = REPORT_GROUP,
@@ -223,7 +231,7 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     return KernelStats(
         arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, config.num_warps, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
-        _kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
+        *_kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
         *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass),
     )  # fmt: skip
 
@@ -322,7 +330,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
         f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} "
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
-        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | K/V buffers | wait_group "
+        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V buffers | wait_group "
         "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | merge: partials/iter | merge: SASS/contributor |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -330,7 +338,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} "
-            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.kv_buffers} | {r.wait_group} "
+            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} | {r.wait_group} "
             f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
             f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
             f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
@@ -340,13 +348,13 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "Serving features, paged16 (`FEATURES` in `lean_tp/ops/kernel_report.py`; fp8 variants read an fp8 cache "
         "with an fp16 q):",
         "",
-        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K/V load B | SASS/iter | issue share |",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | SASS/iter | issue share |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
-            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.kv_load_bytes} | {r.sass_per_iter} "
+            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.sass_per_iter} "
             f"| {r.issue_share:.2f} |"
         )
     return "\n".join(lines) + "\n"
