@@ -528,7 +528,7 @@ PRESET_LAYERS = {"llama-3-8b": 32, "llama-3-70b": 80, "qwen2.5-72b": 80, "mixtra
 def cp_layouts(n_heads: int, n_kv_heads: int, gpus: int) -> list[tuple[int, int]]:
     """(tp, cp) pairs to compare on ``gpus`` ranks: TP alone, and TP over the KV heads with the rest
     as CP (or, with no more ranks than KV heads, TP / 2 x CP 2, to show what CP costs there)."""
-    tp = min(n_kv_heads, gpus) if gpus > n_kv_heads else gpus // 2
+    tp = n_kv_heads if gpus > n_kv_heads else gpus // 2
     layouts = [(gpus, 1)] if n_heads % gpus == 0 else []
     return layouts + ([(tp, gpus // tp)] if tp >= 1 and n_heads % tp == 0 and gpus % tp == 0 else [])
 

@@ -136,14 +136,15 @@ def local_partial(
     # Slots every query sees: from the last query's first to the first query's last.
     c_hi = last[:, 0]
     c_lo = torch.minimum(first[:, -1], c_hi)
-    i32 = torch.int32
+    seqlens = c_hi.to(torch.int32)
+    leftpad = c_lo.to(torch.int32) if window is not None else None  # without a window every range starts at 0
     if tq == 1:
-        return decode_attention(q, k_cache, v_cache, c_hi.to(i32), cache_leftpad=c_lo.to(i32), sinks=sinks,
-                                return_lse=True, **attn_kwargs)  # fmt: skip
+        return decode_attention(q, k_cache, v_cache, seqlens, cache_leftpad=leftpad, sinks=sinks, return_lse=True,
+                                **attn_kwargs)  # fmt: skip
     n_kv = k_cache.shape[1]
     folded_sinks = None if sinks is None else sinks.view(n_kv, 1, -1).expand(-1, tq, -1).reshape(-1)
-    out, lse = decode_attention(_fold(q, n_kv), k_cache, v_cache, c_hi.to(i32), cache_leftpad=c_lo.to(i32),
-                                sinks=folded_sinks, return_lse=True, **attn_kwargs)  # fmt: skip
+    out, lse = decode_attention(_fold(q, n_kv), k_cache, v_cache, seqlens, cache_leftpad=leftpad, sinks=folded_sinks,
+                                return_lse=True, **attn_kwargs)  # fmt: skip
     parts = [(_unfold(out, tq, n_kv), _unfold(lse[..., None], tq, n_kv)[..., 0])]
     parts.append(_edge(q, k_cache, v_cache, c_hi, first, last, attn_kwargs))  # the newest keys
     if window is not None:  # the oldest keys, which the later queries no longer see

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from lean_tp.ops.decode_attention.checks import DTYPES
+from lean_tp.ops.decode_attention.checks import DTYPES, check_types
 from lean_tp.ops.decode_attention.torch_impl import merge_partials
 
 
 def check_partials(out: object, lse: object) -> None:
     """``TypeError``/``ValueError`` naming the argument for malformed partials (shapes and dtypes only)."""
-    for name, x in (("out", out), ("lse", lse)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    check_types(out=out, lse=lse)
     if out.dim() < 2 or out.shape[0] < 1:
         raise ValueError(f"out: expected (R, *rows, D) with R >= 1 partials, got shape {tuple(out.shape)}")
     if out.dtype not in DTYPES:
@@ -39,10 +37,10 @@ def merge_attention_op(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tens
     # An empty partial (lse = -inf) gets weight 0; its out is zeroed so that even a NaN there cannot leak.
     acc = torch.where(torch.isneginf(lse)[..., None], 0.0, out.float())
     one = torch.ones_like(lse[0])
-    m, l, o = lse[0], one, acc[0]
+    m, l, o = lse[0], (~torch.isneginf(lse[0])).float(), acc[0]
     for r in range(1, out.shape[0]):
         m, l, o = merge_partials((m, l, o), (lse[r], one, acc[r]))
-    empty = l == 0  # every partial empty: m = -inf, and merge_partials gave l = 0
+    empty = l == 0  # every partial empty: m = -inf
     l_safe = torch.where(empty, one, l)
     merged = torch.where(empty[..., None], 0.0, o / l_safe[..., None])
     m_safe = torch.where(empty, torch.zeros_like(m), m)
