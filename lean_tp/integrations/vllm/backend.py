@@ -1,0 +1,306 @@
+"""The vLLM attention backend: backend class, metadata, metadata builder and impl.
+
+The cache is vLLM's Triton-attention cache, one tensor per layer of logical shape
+(num_blocks, Hkv, block_size, 2 * D) in the LBNHC physical order; its K and V halves, viewed as
+(num_blocks, block_size, Hkv, D), are what ``lean_tp.decode_attention`` takes with a block table.
+The builder reorders each batch so that decode requests come first (vLLM's reorder threshold) and
+splits it: the leading requests that share one query length of at most ``MAX_QUERY_TOKENS`` run on
+lean in one call; the rest (prefills, chunked prefills, odd-length requests) run on the delegate,
+vLLM's own Triton attention, with its metadata built for just those requests. Where vLLM runs no
+Triton (CPU) the delegate and the cache writes are ``cpu.py``'s plain-torch paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
+
+from lean_tp.integrations.vllm import NAME, cpu
+from lean_tp.ops.decode_attention import decode_attention
+from lean_tp.ops.decode_attention.checks import BACKENDS, MAX_QUERY_TOKENS
+from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+
+# Block sizes vLLM allocates that are pages the op takes (powers of two >= 16).
+PAGE_SIZES = [16, 32, 64, 128, 256]
+# vLLM's fp8 cache dtypes (stored as uint8) and what they hold.
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# vLLM's Triton attention, the delegate on GPUs, takes head sizes from 32 up.
+MIN_HEAD_SIZE = 32
+# The op's backend for decode: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
+BACKEND_ENV = "LEAN_TP_VLLM_BACKEND"
+
+
+def _triton_delegate() -> bool:
+    """Whether vLLM's Triton attention takes prefill and writes the cache (it runs no Triton on CPU)."""
+    return current_platform.is_cuda()
+
+
+def head_size_problem(head_size: int) -> str | None:
+    """Why the backend cannot take a head size, or None."""
+    if MIN_HEAD_SIZE <= head_size <= MAX_HEAD_DIM and head_size % HEAD_DIM_MULTIPLE == 0:
+        return None
+    return (
+        f"head_size: expected a multiple of {HEAD_DIM_MULTIPLE} in [{MIN_HEAD_SIZE}, {MAX_HEAD_DIM}] for the "
+        f"{NAME} attention backend, got {head_size}"
+    )
+
+
+def op_backend() -> str:
+    """The op backend decode runs on, from ``LEAN_TP_VLLM_BACKEND`` (default "auto")."""
+    value = os.environ.get(BACKEND_ENV, "auto")
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {value!r}")
+    return value
+
+
+class LeanAttentionBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_CACHE_DTYPES]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[LeanAttentionImpl]:
+        return LeanAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[LeanAttentionMetadataBuilder]:
+        return LeanAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(PAGE_SIZES)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size_problem(head_size) is None
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Token-major pages (page, slot, head, K|V): the layout vLLM's Triton attention defaults to.
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:  # fmt: skip
+        if kv_cache_dtype in FP8_CACHE_DTYPES and dtype not in (torch.float16, torch.bfloat16):
+            return f"an fp8 KV cache needs a float16 or bfloat16 model, got {dtype}"
+        return None
+
+
+@dataclass
+class CpuPrefill:
+    """The requests after the decodes, for ``cpu.prefill_attention``."""
+
+    query_start_loc: list[int]  # R + 1 token offsets, from 0
+    seq_lens: torch.Tensor  # (R,) int32
+    block_table: torch.Tensor  # (R, max_pages) int32
+
+
+@dataclass
+class LeanAttentionMetadata:
+    num_actual_tokens: int
+    num_decodes: int  # leading requests that run on lean
+    decode_query_len: int  # their common query length, 1..MAX_QUERY_TOKENS
+    seq_lens: torch.Tensor  # (num_decodes,) int32, keys per request including its new tokens
+    block_table: torch.Tensor  # (num_decodes, max_pages) int32
+    slot_mapping: torch.Tensor  # (num_actual_tokens,) int64
+    # The delegate's metadata for the other requests (their tokens follow the decodes'), or None.
+    prefill: object | None = None
+
+
+class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadata]):
+    # A CUDA graph is captured for batches of decodes of one query length, which run on lean alone;
+    # a mixed batch's split is decided on the host, so it is never replayed from a graph.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first; with speculative decoding a verification request (1 + k tokens) is a decode.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self.reorder_batch_threshold = min(self.reorder_batch_threshold, MAX_QUERY_TOKENS)
+        self.delegate = None
+        if _triton_delegate():
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+            self.delegate = TritonAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+
+    def _decode_split(self, common: CommonAttentionMetadata) -> tuple[int, int]:
+        """(leading requests that run on lean, their query length); (0, 1) when none can."""
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+            common, decode_threshold=self.reorder_batch_threshold, require_uniform=True
+        )
+        if num_decodes == 0:
+            return 0, 1
+        starts = common.query_start_loc_cpu[: num_decodes + 1]
+        query_len = int((starts[1:] - starts[:-1]).max())
+        # Padding requests (query length 0) must sit on padded tokens for the (B, Tq) view.
+        if query_len == 0 or num_decode_tokens != num_decodes * query_len:
+            return 0, 1
+        return num_decodes, query_len
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> LeanAttentionMetadata:  # fmt: skip
+        common = common_attn_metadata
+        num_decodes, query_len = self._decode_split(common)
+        metadata = LeanAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            num_decodes=num_decodes,
+            decode_query_len=query_len,
+            seq_lens=common.seq_lens[:num_decodes],
+            block_table=common.block_table_tensor[:num_decodes],
+            slot_mapping=common.slot_mapping,
+        )
+        num_decode_tokens = num_decodes * query_len
+        if num_decodes < common.num_reqs and num_decode_tokens < common.num_actual_tokens:
+            rest = UBatchSlice(slice(num_decodes, common.num_reqs), slice(num_decode_tokens, common.num_actual_tokens))
+            rest_metadata = split_attn_metadata([rest], common)[0]
+            if self.delegate is not None:
+                metadata.prefill = self.delegate.build(0, rest_metadata, fast_build)
+            else:
+                metadata.prefill = CpuPrefill(
+                    rest_metadata.query_start_loc_cpu.tolist(), rest_metadata.seq_lens, rest_metadata.block_table_tensor
+                )
+        return metadata
+
+
+class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **unsupported,
+    ) -> None:
+        _check_layer(head_size, alibi_slopes, kv_cache_dtype, attn_type, unsupported)
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.window = sliding_window
+        self.softcap = logits_soft_cap or None  # vLLM's 0 means no cap, as the op's None does
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = sinks
+        self.op_backend = op_backend()
+        self.delegate = None
+        if _triton_delegate():
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+            self.delegate = TritonAttentionImpl(
+                num_heads, head_size, scale, num_kv_heads, None, sliding_window, kv_cache_dtype,
+                logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
+            )  # fmt: skip
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_blocks, Hkv, block_size, 2D) cache -> K and V as (num_blocks, block_size, Hkv, D)."""
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if self.fp8_dtype is not None:
+            key_cache, value_cache = key_cache.view(self.fp8_dtype), value_cache.view(self.fp8_dtype)
+        return key_cache, value_cache
+
+    def _features(self, layer) -> dict:
+        """The op's keyword arguments for this layer (fp8 scales as (1,) float32 views)."""
+        fp8 = self.fp8_dtype is not None
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()  # (Hq,): a small copy, same shape every step
+        return dict(
+            softmax_scale=self.scale, softcap=self.softcap, window=self.window, sinks=sinks,
+            k_scale=layer._k_scale.view(1) if fp8 else None, v_scale=layer._v_scale.view(1) if fp8 else None,
+        )  # fmt: skip
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Write the batch's new K and V, (T, Hkv, D) each, at ``slot_mapping`` (T,)."""
+        if self.delegate is not None:
+            self.delegate.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            return
+        features = self._features(layer)
+        cpu.write_kv_cache(key, value, *self._kv_views(kv_cache), slot_mapping, features["k_scale"], features["v_scale"])
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: LeanAttentionMetadata | None, output: torch.Tensor, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:  # fmt: skip
+        """Attention of the batch's query tokens, (T, Hq, D), into ``output`` (T, Hq, D)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError(f"output_scale: expected None (the {NAME} backend fuses no output quantization), got a scale")
+        if attn_metadata is None:  # vLLM's profiling run
+            return output.fill_(0)
+        meta = attn_metadata
+        key_cache, value_cache = self._kv_views(kv_cache)
+        features = self._features(layer)
+        split, end = meta.num_decodes * meta.decode_query_len, meta.num_actual_tokens
+        if meta.num_decodes:
+            q = query[:split]
+            if meta.decode_query_len > 1:
+                q = q.view(meta.num_decodes, meta.decode_query_len, *q.shape[1:])
+            out = decode_attention(q, key_cache, value_cache, meta.seq_lens, block_table=meta.block_table,
+                                   backend=self.op_backend, **features)  # fmt: skip
+            output[:split].copy_(out.view(split, *out.shape[-2:]))
+        if meta.prefill is None:
+            return output
+        if self.delegate is not None:
+            self.delegate.forward(layer, query[split:end], key[split:end], value[split:end], kv_cache, meta.prefill,
+                                  output[split:end])  # fmt: skip
+        else:
+            p = meta.prefill
+            cpu.prefill_attention(query[split:end], key_cache, value_cache, output[split:end], p.query_start_loc,
+                                  p.seq_lens, p.block_table, **features)  # fmt: skip
+        return output
+
+
+def _check_layer(head_size: int, alibi_slopes, kv_cache_dtype: str, attn_type: str, unsupported: dict) -> None:
+    """ValueError naming the setting for a layer the backend cannot run."""
+    problem = head_size_problem(head_size)
+    if problem is not None:
+        raise ValueError(problem)
+    if attn_type != AttentionType.DECODER:
+        got = getattr(attn_type, "value", attn_type)
+        raise ValueError(f"attn_type: expected {AttentionType.DECODER.value!r} for the {NAME} backend, got {got!r}")
+    if alibi_slopes is not None:
+        raise ValueError(f"alibi_slopes: expected None (the {NAME} backend has no ALiBi), got slopes")
+    if kv_cache_dtype not in LeanAttentionBackend.supported_kv_cache_dtypes:
+        raise ValueError(
+            f"kv_cache_dtype: expected one of {LeanAttentionBackend.supported_kv_cache_dtypes} for the {NAME} backend, "
+            f"got {kv_cache_dtype!r}"
+        )
+    # Layer arguments that change the attention itself; the defaults mean "off".
+    defaults = {"use_alibi_sqrt": False, "chunk_lookback": -1}
+    for name, value in unsupported.items():
+        if name not in defaults or value != defaults[name]:
+            raise ValueError(f"{name}: expected it unset for the {NAME} backend, got {value!r}")

@@ -1,0 +1,96 @@
+"""End to end: ``vllm.LLM`` greedy generation on small random-weight models saved locally (a Llama,
+and a Gemma 2 with sliding windows and soft-capping; ``examples/vllm_generate.py`` makes them) gives
+the same tokens with the LEAN backend as with vLLM's default (its CPU attention here).
+
+vLLM's CPU platform always picks its own backend, so these tests put LEAN in its place
+(``lean_tp.integrations.vllm.in_place_of``), with the engine in-process. A small batch-token
+budget makes vLLM chunk the long prompt while the others decode, so mixed batches reach the
+backend. Needs vLLM (CI's vLLM leg installs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from vllm_generate import save_random_model  # noqa: E402
+
+from lean_tp.integrations.vllm import in_place_of  # noqa: E402
+from lean_tp.integrations.vllm import backend as lean_backend  # noqa: E402
+
+# Four prompts, one longer than the batch-token budget and the sliding window.
+PROMPTS = [[(7 * i + 3 * n) % 500 + 1 for n in range(length)] for i, length in enumerate((9, 23, 150, 40))]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    return {arch: save_random_model(str(root / arch), arch) for arch in ("llama", "gemma2")}
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _generate(model: str, lean: bool, dtype: str) -> list[list[int]]:
+    with in_place_of("CPU_ATTN") if lean else contextlib.nullcontext():
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=512, enforce_eager=True,
+                  max_num_seqs=4, block_size=32, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)  # fmt: skip
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        del llm
+        gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """What the LEAN builder saw: (decode requests on lean, whether other requests were delegated)."""
+    seen = []
+    build = lean_backend.LeanAttentionMetadataBuilder.build
+
+    def recorded(self, *args, **kwargs):
+        metadata = build(self, *args, **kwargs)
+        seen.append((metadata.num_decodes, metadata.prefill is not None))
+        return metadata
+
+    monkeypatch.setattr(lean_backend.LeanAttentionMetadataBuilder, "build", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+def test_lean_generates_the_default_backends_tokens(models, in_process, batches, model):
+    expected = _generate(models[model], lean=False, dtype="float32")
+    assert batches == []  # the default backend ran first, without LEAN
+    got = _generate(models[model], lean=True, dtype="float32")
+    assert got == expected
+    assert all(len(t) == MAX_TOKENS for t in got) and len({tuple(t) for t in got}) == len(PROMPTS)
+    assert any(n and not delegated for n, delegated in batches), "no decode-only batch reached lean"
+    assert any(n and delegated for n, delegated in batches), "no mixed batch (decodes + a prefill chunk)"
+
+
+def test_lean_triton_kernel_in_the_interpreter(models, in_process, batches, monkeypatch):
+    """The same, with decode on lean's Triton kernel (the interpreter), bf16 model and cache."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
+    expected = _generate(models["gemma2"], lean=False, dtype="bfloat16")
+    got = _generate(models["gemma2"], lean=True, dtype="bfloat16")
+    assert got == expected and any(n for n, _ in batches)
+
+
+def test_example_checks_lean_against_the_default_backend(in_process, batches, capsys):
+    """examples/vllm_generate.py --check: its own random Llama, LEAN swapped in on CPU, exit 0."""
+    import vllm_generate
+
+    assert vllm_generate.main(["--check", "--batch", "2", "--prompt-len", "40", "--gen", "6"]) == 0
+    assert "check: 2 of 2 sequences identical" in capsys.readouterr().out and any(n for n, _ in batches)
