@@ -41,12 +41,24 @@ def in_process(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _generate(model: str, lean: bool, dtype: str) -> list[list[int]]:
+def _attention_impls(worker) -> list[str]:
+    """On a vLLM worker: each attention layer's impl class, query heads and KV heads."""
+    model = worker.model_runner.model
+    return sorted({f"{type(m.impl).__name__}/{m.impl.num_heads}/{m.impl.num_kv_heads}" for m in model.modules()
+                   if hasattr(m, "impl")})  # fmt: skip
+
+
+def _generate(model: str, lean: bool, dtype: str, tp: int = 1, impls: list | None = None,
+              max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy tokens of PROMPTS; ``impls`` receives every worker's ``_attention_impls``."""
     with in_place_of("CPU_ATTN") if lean else contextlib.nullcontext():
         llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=512, enforce_eager=True,
-                  max_num_seqs=4, block_size=32, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)  # fmt: skip
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
+                  max_num_seqs=4, block_size=32, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20,
+                  tensor_parallel_size=tp)  # fmt: skip
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        if impls is not None:
+            impls.extend(llm.collective_rpc(_attention_impls))
         del llm
         gc.collect()
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -83,8 +95,9 @@ def test_lean_triton_kernel_in_the_interpreter(models, in_process, batches, monk
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
     monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
-    expected = _generate(models["gemma2"], lean=False, dtype="bfloat16")
-    got = _generate(models["gemma2"], lean=True, dtype="bfloat16")
+    # Fewer tokens: every decode step runs the interpreted kernel once per layer.
+    expected = _generate(models["gemma2"], lean=False, dtype="bfloat16", max_tokens=8)
+    got = _generate(models["gemma2"], lean=True, dtype="bfloat16", max_tokens=8)
     assert got == expected and any(n for n, _ in batches)
 
 
@@ -94,3 +107,15 @@ def test_example_checks_lean_against_the_default_backend(in_process, batches, ca
 
     assert vllm_generate.main(["--check", "--batch", "2", "--prompt-len", "40", "--gen", "6"]) == 0
     assert "check: 2 of 2 sequences identical" in capsys.readouterr().out and any(n for n, _ in batches)
+
+
+def test_tensor_parallel_workers_run_lean(models, in_process, monkeypatch):
+    """Tensor parallel 2: each worker is its own process, which loads the plugin and puts LEAN in
+    place of CPU_ATTN (the environment ``in_place_of`` sets); each rank's layers hold their share
+    of the heads (2 query heads, 1 KV head), and the tokens are those of one process."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node here: one core per worker
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a test function
+    expected = _generate(models["gemma2"], lean=False, dtype="float32")
+    impls = []
+    assert _generate(models["gemma2"], lean=True, dtype="float32", tp=2, impls=impls) == expected
+    assert impls == [["LeanAttentionImpl/2/1"], ["LeanAttentionImpl/2/1"]]

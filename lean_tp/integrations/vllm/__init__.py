@@ -15,37 +15,52 @@ Triton (its CPU build). docs/vllm.md covers options, coverage and benchmarking.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 NAME = "LEAN"
 BACKEND_CLASS = "lean_tp.integrations.vllm.backend.LeanAttentionBackend"
+# A backend that LEAN replaces in every vLLM process (engine core, tensor-parallel workers), for
+# platforms that ignore --attention-backend: vLLM's CPU platform always picks CPU_ATTN.
+IN_PLACE_OF_ENV = "LEAN_TP_VLLM_IN_PLACE_OF"
 
 
 def register() -> str:
-    """Register ``"LEAN"`` with vLLM's attention-backend registry (idempotent: vLLM calls plugins
-    once per process, tests and users may call it again); returns ``"LEAN"``."""
+    """Register ``"LEAN"`` with vLLM's attention-backend registry, and put it in place of the
+    backend ``LEAN_TP_VLLM_IN_PLACE_OF`` names, if set. Idempotent (vLLM calls plugins once per
+    process; tests and users may call it again). Returns ``"LEAN"``."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if NAME not in AttentionBackendEnum.__members__:
         register_backend(NAME, BACKEND_CLASS)
+    replaced = os.environ.get(IN_PLACE_OF_ENV)
+    if replaced:
+        if replaced not in AttentionBackendEnum.__members__ or replaced == NAME:
+            raise ValueError(f"{IN_PLACE_OF_ENV}: expected a vLLM attention backend such as CPU_ATTN, got {replaced!r}")
+        register_backend(AttentionBackendEnum[replaced], BACKEND_CLASS)
     return NAME
 
 
 @contextmanager
 def in_place_of(backend: str = "CPU_ATTN") -> Iterator[None]:
-    """Run LEAN wherever vLLM picks ``backend``, for engines created in this process inside the
-    block (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine in-process). vLLM's CPU platform
-    always picks ``CPU_ATTN`` and ignores ``--attention-backend``: this is how LEAN runs there."""
+    """Run LEAN wherever vLLM picks ``backend``, for engines created inside the block, in this
+    process and in the processes it starts (which inherit ``LEAN_TP_VLLM_IN_PLACE_OF``)."""
     from vllm.v1.attention import selector
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    member = AttentionBackendEnum[backend]
-    register_backend(member, BACKEND_CLASS)
-    # vLLM caches each layer's backend choice for the process: forget it on entry and on exit.
-    selector._cached_get_attn_backend.cache_clear()
+    previous = os.environ.get(IN_PLACE_OF_ENV)
+    os.environ[IN_PLACE_OF_ENV] = backend
     try:
+        register()
+        # vLLM caches each layer's backend choice for the process: forget it on entry and on exit.
+        selector._cached_get_attn_backend.cache_clear()
         yield
     finally:
-        member.clear_override()
+        AttentionBackendEnum[backend].clear_override()
+        if previous is None:
+            os.environ.pop(IN_PLACE_OF_ENV, None)
+        else:
+            os.environ[IN_PLACE_OF_ENV] = previous
+            register()
         selector._cached_get_attn_backend.cache_clear()
