@@ -333,3 +333,16 @@ def test_cpu_cache_write_saturates_fp8_and_skips_padding(fp8):
     torch.testing.assert_close(key_cache[0, 3, 0].float(), expected)
     torch.testing.assert_close(value_cache[1, 1, 0].float(), torch.tensor([0.5, -big, big, 0.25]).repeat(2))
     assert int((key_cache.float() != 0).any(-1).sum()) == 2  # the padding token wrote nowhere
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_gpu_impl_reads_fp8_as_vllms_triton_write_stores_it(kv_cache_dtype, monkeypatch):
+    """On GPUs vLLM's Triton attention writes the cache and takes prefill; it stores every fp8
+    cache in its platform's fp8 type (e4m3), so lean reads that, whatever the cache's name."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    monkeypatch.setattr(lean_backend, "_triton_delegate", lambda: True)
+    impl = LeanAttentionImpl(8, 64, 0.125, 2, None, 16, kv_cache_dtype, 5.0)
+    assert isinstance(impl.delegate, TritonAttentionImpl) and impl.delegate.sliding_window == (15, 0)
+    assert impl.fp8_dtype == current_platform.fp8_dtype() == torch.float8_e4m3fn

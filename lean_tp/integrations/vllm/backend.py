@@ -212,7 +212,6 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
         self.window = sliding_window
         self.softcap = logits_soft_cap or None  # vLLM's 0 means no cap, as the op's None does
         self.kv_cache_dtype = kv_cache_dtype
-        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
@@ -225,6 +224,11 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
                 num_heads, head_size, scale, num_kv_heads, None, sliding_window, kv_cache_dtype,
                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
             )  # fmt: skip
+        # What an fp8 cache holds is what its writer stores: vLLM's Triton cache write stores every
+        # fp8 cache, "fp8_e5m2" included, in its platform's fp8 type (e4m3); cpu.py stores the named one.
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+        if self.fp8_dtype is not None and self.delegate is not None:
+            self.fp8_dtype = current_platform.fp8_dtype()
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_blocks, Hkv, block_size, 2D) cache -> K and V as (num_blocks, block_size, Hkv, D)."""
