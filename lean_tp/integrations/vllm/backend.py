@@ -250,7 +250,8 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Write the batch's new K and V, (T, Hkv, D) each, at ``slot_mapping`` (T,)."""
+        """Write the batch's new K and V, (T, Hkv, D) each, at ``slot_mapping`` (T,) int64 (-1: padding)
+        into ``kv_cache`` (num_blocks, Hkv, block_size, 2 * D)."""
         if self.delegate is not None:
             self.delegate.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
@@ -260,7 +261,15 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: LeanAttentionMetadata | None, output: torch.Tensor, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:  # fmt: skip
-        """Attention of the batch's query tokens, (T, Hq, D), into ``output`` (T, Hq, D)."""
+        """Attention of the batch's query tokens into ``output``.
+
+        Args:
+            query: (T, Hq, D), decodes' tokens first (vLLM's reorder).
+            key, value: (T, Hkv, D), already in the cache (``do_kv_cache_update`` ran first); only
+                the delegate's signature takes them.
+            kv_cache: (num_blocks, Hkv, block_size, 2 * D) logical, LBNHC physical.
+            output: (T, Hq, D), written for every real token.
+        """
         if output_scale is not None or output_block_scale is not None:
             raise ValueError(f"output_scale: expected None (the {NAME} backend fuses no output quantization), got a scale")
         if attn_metadata is None:  # vLLM's profiling run
