@@ -28,6 +28,7 @@ from lean_tp.integrations.vllm.backend import (  # noqa: E402
     LeanAttentionImpl,
     LeanAttentionMetadataBuilder,
 )
+from lean_tp.ops.decode_attention import decode_attention_ref  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -49,34 +50,6 @@ def lean_calls(monkeypatch):
 
     monkeypatch.setattr(lean_backend, "decode_attention", counted)
     return calls
-
-
-def _to_cache(x, scale, dtype):
-    big = torch.finfo(dtype).max
-    return (x.float() / scale).clamp(-big, big).to(dtype)
-
-
-def _reference(q, k, v, context_len, *, scale, window, softcap, sinks):
-    """float64 attention of the query tokens (positions context_len..) of one request over keys
-    [0, context_len + Tq): q (Tq, Hq, D), k/v (S, Hkv, D); sinks (Hq,) or None."""
-    tq, hq, _ = q.shape
-    group = hq // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    s = torch.einsum("thd,shd->hts", q.double(), k) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    qpos = torch.arange(tq)[:, None] + context_len
-    kpos = torch.arange(k.shape[0])[None, :]
-    seen = kpos <= qpos
-    if window is not None:
-        seen &= kpos > qpos - window
-    s = s.masked_fill(~seen, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.double().view(hq, 1, 1).expand(hq, tq, 1)], dim=-1)
-        v = torch.cat([v, torch.zeros_like(v[:1])], dim=0)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hts,shd->thd", p, v)
 
 
 def _batch(requests, block_size, num_kv_heads, head_size, gen):
@@ -136,10 +109,15 @@ def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=6
     ref = torch.empty(len(new), num_heads, head_size, dtype=torch.float64)
     for b, (c, q) in enumerate(requests):
         k, v = seqs[b]
-        if fp8:
-            k, v = _to_cache(k, 0.7, fp8).double() * 0.7, _to_cache(v, 1.3, fp8).double() * 1.3
+        scales = {}
+        if fp8:  # what vLLM's cache holds: x / scale in fp8 (the test inputs are far from saturating)
+            k, v, scales = (k.float() / 0.7).to(fp8), (v.float() / 1.3).to(fp8), dict(k_scale=0.7, v_scale=1.3)
         lo = int(common.query_start_loc_cpu[b])
-        ref[lo : lo + q] = _reference(query[lo : lo + q], k, v, c, scale=scale, window=window, softcap=softcap, sinks=sinks)
+        # The request's K/V unpaged, as a one-sequence contiguous cache (1, Hkv, S, D).
+        out, _ = decode_attention_ref(query[None, lo : lo + q], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                      torch.tensor([c + q], dtype=torch.int32), softmax_scale=scale, softcap=softcap,
+                                      window=window, sinks=sinks, **scales)  # fmt: skip
+        ref[lo : lo + q] = out[0]
     for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
         setattr(common, name, getattr(common, name).to(device))
     cache, query, k_new, v_new = (x.to(device) for x in (cache, query, k_new, v_new))

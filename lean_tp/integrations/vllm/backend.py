@@ -237,16 +237,20 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             key_cache, value_cache = key_cache.view(self.fp8_dtype), value_cache.view(self.fp8_dtype)
         return key_cache, value_cache
 
+    def _scales(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's fp8 k_scale and v_scale as (1,) float32 views; None for a 16/32-bit cache."""
+        if self.fp8_dtype is None:
+            return None, None
+        return layer._k_scale.view(1), layer._v_scale.view(1)
+
     def _features(self, layer) -> dict:
-        """The op's keyword arguments for this layer (fp8 scales as (1,) float32 views)."""
-        fp8 = self.fp8_dtype is not None
+        """The op's keyword arguments for this layer."""
         sinks = self.sinks
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()  # (Hq,): a small copy, same shape every step
-        return dict(
-            softmax_scale=self.scale, softcap=self.softcap, window=self.window, sinks=sinks,
-            k_scale=layer._k_scale.view(1) if fp8 else None, v_scale=layer._v_scale.view(1) if fp8 else None,
-        )  # fmt: skip
+        k_scale, v_scale = self._scales(layer)
+        return dict(softmax_scale=self.scale, softcap=self.softcap, window=self.window, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:  # fmt: skip
@@ -255,8 +259,7 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
         if self.delegate is not None:
             self.delegate.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
-        features = self._features(layer)
-        cpu.write_kv_cache(key, value, *self._kv_views(kv_cache), slot_mapping, features["k_scale"], features["v_scale"])
+        cpu.write_kv_cache(key, value, *self._kv_views(kv_cache), slot_mapping, *self._scales(layer))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: LeanAttentionMetadata | None, output: torch.Tensor, output_scale=None,
