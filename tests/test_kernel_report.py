@@ -84,17 +84,21 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
-    """Every fp8 entry (both formats, every head dim): no spills in the K/V loop, 16-byte K loads,
-    K/V double-buffered, 2+ programs per SM for D <= 128. Not yet held: 16-byte V loads (fp8 V is
-    copied 8 bytes at a time, docs/kernel_report.md) and the issue-share target."""
+    """Every fp8 entry (both formats, every head dim): no spills in the K/V loop, 16-byte K and V
+    loads, K/V double-buffered, 2+ programs per SM for D <= 128. V's 16-byte copies are the sign
+    that the tile is converted after a row-wise read from shared memory (``kernel._opaque``):
+    converted inside the dot operand's load, V is copied 8 bytes at a time and read byte by byte,
+    and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md)."""
     rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2")]
     assert {s.head_dim for s in rows} >= {64, 128, 256} and len({s.features for s in rows}) == 2, rows
     for s in rows:
         assert s.loop_spills == 0 and s.spill_bytes <= 32, s
-        assert s.k_load_bytes == 16, s
+        assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
+        if s.head_dim <= 128 and s.dtype == "fp16":
+            assert s.issue_share <= 0.5, s
 
 
 def test_docs_kernel_report_is_current(stats):

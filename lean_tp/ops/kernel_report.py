@@ -17,7 +17,9 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
   width among the ``cp.async`` copies of K's and of V's commit groups (the kernel loads each block's
   K, then its V: the groups alternate), or among ``ld.global`` data loads for both when nothing is
   copied asynchronously;
-- ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered), and
+- ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered; the
+  pipeliner's (buffers, BLOCK_N, BLOCK_D) allocations in the TTGIR, which an fp8 kernel's staged
+  16-bit tiles do not change), and
   ``wait_group``: the most ``cp.async`` groups left in flight while computing (0: none);
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
   ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
@@ -200,6 +202,13 @@ def _kv_load_bytes(ptx: str) -> tuple[int, int]:
     return width, width
 
 
+def _kv_buffers(ttgir: str, block_n: int, block_d: int) -> int:
+    """K/V tiles per operand that the pipeliner allocates ((buffers, BLOCK_N, BLOCK_D) shared
+    allocations), 1 when it allocates none (the tile is staged once, in the loop)."""
+    shapes = re.findall(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x{block_d}x", ttgir)
+    return max((int(n) for n in shapes), default=1)
+
+
 def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int = REPORT_GROUP,
                   leftpad: bool = False, overrides: tuple[tuple[str, int], ...] = (), features: str = "") -> KernelStats:  # fmt: skip
     """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics.
@@ -227,11 +236,11 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     shared = kernel.metadata.shared + static_shared
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
     sass = _dump(kernel.asm["cubin"], "-sass")
-    tile_bytes = config.block_n * args["BLOCK_D"] * (variant.fp8 or torch_dtype).itemsize
     return KernelStats(
         arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, config.num_warps, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
-        *_kv_load_bytes(kernel.asm["ptx"]), kernel.metadata.shared // (2 * tile_bytes), max(waits, default=0),
+        *_kv_load_bytes(kernel.asm["ptx"]), _kv_buffers(kernel.asm["ttgir"], config.block_n, args["BLOCK_D"]),
+        max(waits, default=0),
         *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass),
     )  # fmt: skip
 

@@ -78,3 +78,35 @@ def test_compile_fullgraph_with_every_feature_cuda():
     inputs["cache_seqlens"] = torch.tensor([5, 2000, 1], dtype=torch.int32, device="cuda")
     with torch._dynamo.config.patch(error_on_recompile=True):
         torch.testing.assert_close(compiled(**inputs), step(**inputs), atol=0, rtol=0)
+
+
+def test_fp8_e4m3_as_bytes_compiled_matches_the_native_conversion():
+    """sm_80's e4m3 path (bytes, integer moves to fp16, scales x 2^8), compiled for this GPU, gives
+    bitwise the result of the native fp8 conversion; the CPU test runs both in the interpreter,
+    which does not run the staging of the compiled kernel (``kernel._opaque``)."""
+    from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+    from lean_tp.ops.decode_attention.launcher import alloc_workspace, counters_size, launch_args
+    from lean_tp.ops.decode_attention.tuning import get_config
+
+    inputs = _cuda(make_feature_inputs(LENS, 16, 4, 128, torch.float16, "paged16", tq=2,
+                                       cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=3))  # fmt: skip
+    spread = inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1], device="cuda")[None, :, None, None]
+    inputs["k_cache"] = spread.clamp(-448, 448).to(torch.float8_e4m3fn)
+    config = get_config(inputs["q"].device, 128, torch.float16)
+    scales = [torch.tensor([x], dtype=torch.float32, device="cuda") if isinstance(x, float) else x
+              for x in (inputs["k_scale"], inputs["v_scale"])]  # fmt: skip
+    results = []
+    for arch in ("sm80", None):
+        out = torch.full_like(inputs["q"], float("nan"))
+        lse = torch.full(inputs["q"].shape[:-1], float("nan"), device="cuda")
+        workspace = alloc_workspace(64, 16, 128, inputs["q"].device)
+        counters = torch.zeros(counters_size(64), dtype=torch.int32, device="cuda")
+        args = launch_args(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], None,
+                           inputs["block_table"], out, lse, workspace, counters, 128**-0.5, 64, config,
+                           *scales, arch=arch)  # fmt: skip
+        assert args["E4M3_BITS"] == (arch == "sm80")
+        decode_attention_fwd_kernel[(64,)](**args)
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    ref_out, _ = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    torch.testing.assert_close(results[0][0].cpu().double(), ref_out, atol=ATOL[torch.float16], rtol=0)

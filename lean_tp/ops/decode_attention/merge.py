@@ -1,0 +1,125 @@
+"""The merge tree of a split output, inside the decode kernel (docs/design.md, "The merge tree"):
+each contributor publishes its partial to the workspace; the last arriver of a group merges the
+group's partials, and the last group merger merges the groups'. Partials are un-normalized
+(acc, m, l) in the log2 domain, as ``kernel._attend`` leaves them."""
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.schedule import _merge_group, _program_of_tile, _program_start
+
+
+@triton.jit
+def _ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
+    """The running max to exponentiate against: m, or 0 for rows that have seen no key (m = -inf,
+    possible only with MAY_BE_EMPTY), so that exp2(-inf - ref) = 0 instead of NaN."""
+    if MAY_BE_EMPTY:
+        return tl.where(b_m == float("-inf"), 0.0, b_m)
+    else:
+        return b_m
+
+
+@triton.jit
+def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr,
+                   BLOCK_G: tl.constexpr):  # fmt: skip
+    """Write rows [0, n_rows) of one partial (b_acc [BLOCK_G, BLOCK_D], b_m and b_l [BLOCK_G]) to
+    workspace slot o_slot (= 2 * program + 0 or 1)."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < n_rows
+    o_slot = tl.cast(o_slot, tl.int64)
+    tl.store(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], b_acc, mask=m_g[:, None])
+    tl.store(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m, mask=m_g)
+    tl.store(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l, mask=m_g)
+
+
+@triton.jit
+def _merge_partials(
+    ws_acc_ptr, ws_ml_ptr, first, n_members, stride, out_start, total, n_active, n_rows,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, WAVE: tl.constexpr,
+):  # fmt: skip
+    """Merge the partials of programs first, first + stride, ... (n_members of them) for the output
+    that starts at tile out_start: (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]).
+
+    A member's partial is in its slot 1 when the output began after its first tile, else in slot 0.
+    WAVE members are loaded at once, (m, l) and acc together, so each wave waits for L2 once;
+    the fixed member order makes the result independent of arrival. Loads use
+    ``.cg`` (L2, not the non-coherent L1): the partials were written by other SMs. Rows that no
+    member saw (m = -inf) exponentiate against 0, as in ``_attend``.
+    """
+    o_w = tl.arange(0, WAVE)
+    o_r = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_acc = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_acc = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i0 in range(0, n_members, WAVE):
+        p = first + (i0 + o_w) * stride
+        o_slot = p * 2 + (_program_start(p, total, n_active) < out_start).to(tl.int32)  # < 2**31: grid-sized
+        m_wr = ((i0 + o_w) < n_members)[:, None] & (o_r < n_rows)[None, :]
+        o_ml = (o_slot * 2)[:, None] * BLOCK_G + o_r[None, :]
+        b_mp = tl.load(ws_ml_ptr + o_ml, mask=m_wr, other=float("-inf"), cache_modifier=".cg")
+        b_lp = tl.load(ws_ml_ptr + o_ml + BLOCK_G, mask=m_wr, other=0.0, cache_modifier=".cg")
+        o_acc = ((o_slot * BLOCK_G)[:, None, None] + o_r[None, :, None]) * BLOCK_D + o_d[None, None, :]
+        b_ap = tl.load(ws_acc_ptr + o_acc, mask=m_wr[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_acc, tl.max(b_mp, 0))
+        m_ref = _ref_max(m_new, True)
+        b_w = tl.exp2(b_mp - m_ref[None, :])
+        b_alpha = tl.exp2(m_acc - m_ref)
+        l_acc = l_acc * b_alpha + tl.sum(b_w * b_lp, 0)
+        acc = acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_ap, 0)
+        m_acc = m_new
+    return acc, m_acc, l_acc
+
+
+@triton.jit
+def _arrive(counter_ptr, n_members):
+    """Count this program in at a merge (a group or an output) of n_members; True for the last
+    arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay).
+
+    The caller's barrier makes every thread's partial stores happen before the (single-thread)
+    release; the acq_rel atomic orders the last arriver's later loads after all members' releases.
+    """
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == n_members - 1
+    if is_last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return is_last
+
+
+@triton.jit
+def _finish_split(
+    ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, slot, out_start, n_tiles, total, n_active, num_programs, n_rows,
+    b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
+):  # fmt: skip
+    """Publish this program's partial of a split output and take its part in the merge tree; returns
+    (whether this program merged the output, and the merged acc, m, l).
+
+    Level 1: the last arriver of each group of FANIN consecutive contributors merges the group
+    (``schedule._merge_group``). With one group that is the output's merge; otherwise it writes the
+    group's partial over its first member's slot, and the last group merger merges the groups'
+    partials (from their first members' slots). Counters: a group's at 2 * (first member) + its
+    slot, an output's second level at 2 * num_programs + 2 * (first contributor) + its slot.
+    """
+    _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+    tl.debug_barrier()
+    p_first = _program_of_tile(out_start, total, n_active)
+    n_contrib = _program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+    g_first, g_size, n_groups = _merge_group(pid - p_first, n_contrib, FANIN)
+    first, members, stride = p_first + g_first, g_size, 1
+    o_counter = first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
+    go = _arrive(counter_ptr + o_counter, members)
+    is_last = go & (n_groups == 1)
+    # One merge per level, in a loop: one copy of the merge in the code.
+    while go:
+        b_acc, b_m, b_l = _merge_partials(ws_acc_ptr, ws_ml_ptr, first, members, stride, out_start, total, n_active,
+                                          n_rows, BLOCK_D, BLOCK_G, WAVE)  # fmt: skip
+        go = (stride == 1) & (n_groups > 1)
+        if go:
+            _store_partial(ws_acc_ptr, ws_ml_ptr, o_counter, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+            tl.debug_barrier()
+            first, members, stride = p_first, n_groups, FANIN
+            o_counter = 2 * num_programs + first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
+            go = _arrive(counter_ptr + o_counter, members)
+            is_last = go
+    return is_last, b_acc, b_m, b_l
