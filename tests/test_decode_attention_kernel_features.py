@@ -45,7 +45,7 @@ def _kernel_call(inputs: dict, num_programs: int) -> dict:
     q = inputs["q"]
     q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
-    features = features_of(q4, layout.dtype, inputs["softcap"], inputs["window"], inputs["sinks"])
+    features = features_of(q4, layout, inputs["softcap"], inputs["window"], inputs["sinks"])
     config = get_config(q.device, q.shape[-1], q.dtype)
     rows = kernel_constexprs(config, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
                              features=features)  # fmt: skip
@@ -145,6 +145,24 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     ref_out, _ = decode_attention_ref(**inputs)
     torch.testing.assert_close(results[0][0].double(), ref_out, atol=ATOL[torch.float16], rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["fp16", "e5m2"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_v_strides_apart_from_k(layout, cache_dtype):
+    """V in the right half of a wider allocation (its strides are not K's): the variant that forms
+    V's addresses from V's strides, where a paged cache otherwise reuses K's (SAME_KV_STRIDES)."""
+    inputs = make_feature_inputs(tile_lens(64), 8, 2, 64, torch.float16, layout, tq=2, cache_dtype=cache_dtype,
+                                 window=100, seed=13)  # fmt: skip
+    v = inputs["v_cache"]
+    wide = torch.randn(*v.shape[:-1], 2 * v.shape[-1]).to(v.dtype)  # the left half is never read
+    wide[..., v.shape[-1]:] = v
+    inputs["v_cache"] = wide[..., v.shape[-1]:]
+    layout_of = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
+    assert layout_of.k_strides != layout_of.v_strides
+    q4 = inputs["q"] if inputs["q"].dim() == 4 else inputs["q"][:, None]
+    assert features_of(q4, layout_of, None, 100, None).kv_strides_differ
+    check_kernel(inputs, 4, ATOL[torch.float16])
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(40, torch.float32), (80, torch.float16), (96, torch.float16),

@@ -46,7 +46,7 @@ def run(inputs: dict, num_programs: int):
     q = inputs["q"]
     q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
-    features = features_of(q4, layout.dtype, inputs.get("softcap"), inputs.get("window"), inputs.get("sinks"))
+    features = features_of(q4, layout, inputs.get("softcap"), inputs.get("window"), inputs.get("sinks"))
     cx = kernel_constexprs(CONFIG, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
                            features=features)  # fmt: skip
     workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], "cpu"))

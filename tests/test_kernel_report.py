@@ -69,17 +69,29 @@ def test_every_table_entry_compiles_for_every_layout(stats):
 def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
-    the next occupancy step; more than a few words would mean the loop's live state does not fit."""
+    the next occupancy step (sm_80 D=128 paged: 12 words, to stay at 168 registers); more than a few
+    words would mean the loop's live state does not fit."""
     rows = [s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout
             and not s.features]  # fmt: skip
     assert rows
     for s in rows:
-        assert s.loop_spills == 0 and s.spill_bytes <= 32, s
+        assert s.loop_spills == 0 and s.spill_bytes <= 64, s
         assert s.sass_per_iter > 0, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
+
+
+def test_paged_kernels_cost_little_more_than_contiguous(stats):
+    """paged16 SASS per K/V iteration within 1.25x the contiguous kernel's, for every 16-bit entry
+    (triton 3.7.1: at most 1.18x, sm_80 D=128; sm_90 D=128 1.15x): the page lookup and the key
+    addresses, formed once for K and V (``DecodeConfig.share_kv_addresses``), stay a small part
+    of the loop."""
+    rows = {(s.arch, s.head_dim, s.layout): s.sass_per_iter for s in _report_rows(stats)
+            if s.dtype == "fp16" and not s.features}  # fmt: skip
+    pairs = [(rows[(a, d, "paged16")], rows[(a, d, "contiguous")]) for a, d, layout in rows if layout == "contiguous"]
+    assert len(pairs) == 6 and all(paged <= 1.25 * contiguous for paged, contiguous in pairs), pairs
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -92,7 +104,7 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2")]
     assert {s.head_dim for s in rows} >= {64, 128, 256} and len({s.features for s in rows}) == 2, rows
     for s in rows:
-        assert s.loop_spills == 0 and s.spill_bytes <= 32, s
+        assert s.loop_spills == 0 and s.spill_bytes <= 64, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
@@ -235,6 +247,7 @@ def test_grid_is_sized_from_the_variant_the_call_launches(arch, page_size, leftp
     """The kernel the launcher compiles to count programs per SM (``example_args`` of the call's
     features and left padding) has every constexpr of the kernel the call launches, so its
     registers and shared memory are the launched kernel's (a variant can cost more registers)."""
+    from lean_tp.ops.decode_attention.cache import CacheLayout
     from lean_tp.ops.decode_attention.launcher import (
         KernelFeatures,
         alloc_workspace,
@@ -251,15 +264,16 @@ def test_grid_is_sized_from_the_variant_the_call_launches(arch, page_size, leftp
     q = e(batch, want.num_tokens, group * hkv, 128)
     cache_dtype = want.fp8 or torch.float16
     cache = e(batch, hkv, 96, 128, dtype=cache_dtype) if page_size is None else e(40, page_size, hkv, 128, dtype=cache_dtype)
+    v_cache = e(*cache.shape[:-1], 256, dtype=cache_dtype)[..., 128:] if want.kv_strides_differ else cache
     lens = e(batch, dtype=torch.int32)
     table = e(batch, 8, dtype=torch.int32) if page_size else None
     softcap, window = (50.0 if want.softcap else None), (77 if want.window else None)
     sinks, scale = e(group * hkv, dtype=torch.float32), e(hkv, dtype=torch.float32)
-    launched = launch_args(q, cache, cache, lens, lens if leftpad else None, table, torch.empty_like(q),
+    launched = launch_args(q, cache, v_cache, lens, lens if leftpad else None, table, torch.empty_like(q),
                            e(*q.shape[:-1], dtype=torch.float32), alloc_workspace(264, 16, 128, "meta"), lens, 0.1, 264,
                            config, scale if want.fp8 else None, scale if want.fp8 else None, softcap, window,
                            sinks if want.sinks else None, arch=arch)  # fmt: skip
-    variant = features_of(q, cache_dtype, softcap, window, sinks if want.sinks else None)
+    variant = features_of(q, CacheLayout.of(cache, v_cache, table), softcap, window, sinks if want.sinks else None)
     sized = example_args(torch.float16, 128, group, page_size, leftpad, config, features=variant, arch=arch)
     assert _constexprs(sized) == _constexprs(launched)
 

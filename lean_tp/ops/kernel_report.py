@@ -60,6 +60,7 @@ FEATURES = {
     "sinks": {"sinks": True},
     "tq4_window": {"num_tokens": 4, "window": True},
     "all": {"num_tokens": 4, "fp8": torch.float8_e4m3fn, "softcap": True, "window": True, "sinks": True},
+    "v_strides": {"kv_strides_differ": True},  # V's strides not K's: addresses formed twice
 }
 # Head dims that are not a power of two (Phi-3's 96, and others models use), padded by the kernel.
 PADDED_HEAD_DIMS = (40, 80, 96, 112, 160, 192)

@@ -114,8 +114,9 @@ def _attend(
         m_n = o_n < n_hi
         # The next block's (row, position) is computed here and carried to the next iteration, so
         # the pipeliner can multi-buffer paged K/V as it does contiguous K/V (kernel report: 2+
-        # buffers). The page lookup is shared by K and V. The compiled loop still consumes the
-        # block-table loads in the iteration that issues them (docs/design.md, "Grid sizing").
+        # buffers). The page lookup is shared by K and V, and with SAME_KV_STRIDES the addresses
+        # too. The compiled loop still consumes the block-table loads in the iteration that issues
+        # them (docs/kernel_report.md, "Paged addresses").
         o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
                                            PAGED, PAGE_SIZE)  # fmt: skip
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
@@ -258,7 +259,7 @@ def decode_attention_fwd_kernel(
     MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
-    E4M3_BITS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    E4M3_BITS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
@@ -267,7 +268,7 @@ def decode_attention_fwd_kernel(
     of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
     turns q.k into the log2-domain score (see ``_attend`` for SOFTCAP); with HAS_SCALES (fp8) it
     is multiplied by the KV head's k_scale and the partial by its v_scale (E4M3_BITS: see
-    ``_upcast``). STRIDE_ALIGN divides
+    ``_upcast``). SAME_KV_STRIDES: use K's strides for V (the launcher found them equal). STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
@@ -280,6 +281,8 @@ def decode_attention_fwd_kernel(
     stride_vb = stride_vb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_vn = stride_vn // STRIDE_ALIGN * STRIDE_ALIGN
     stride_vh = stride_vh // STRIDE_ALIGN * STRIDE_ALIGN
+    if SAME_KV_STRIDES:  # then K's offsets are V's: each key's address is formed once, not twice
+        stride_vb, stride_vn, stride_vh = stride_kb, stride_kn, stride_kh
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)

@@ -39,6 +39,9 @@ class KernelFeatures:
     softcap: bool = False
     window: bool = False
     sinks: bool = False
+    # V's (row, token, head) strides differ from K's; otherwise a paged kernel forms each key's
+    # address once for K and V (``DecodeConfig.share_kv_addresses``).
+    kv_strides_differ: bool = False
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
@@ -78,6 +81,7 @@ def kernel_constexprs(
         "HAS_SINKS": features.sinks,
         "HAS_SCALES": features.fp8 is not None,
         "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
+        "SAME_KV_STRIDES": page_size is not None and config.share_kv_addresses and not features.kv_strides_differ,
     }
 
 
@@ -182,16 +186,19 @@ def example_args(
     q = torch.empty(batch, features.num_tokens, group * num_kv_heads, head_dim, dtype=dtype, device=device)
     cache_dtype = features.fp8 or dtype
     if page_size is None:
-        cache = torch.empty(batch, num_kv_heads, pages * 16, head_dim, dtype=cache_dtype, device=device)
+        shape = (batch, num_kv_heads, pages * 16, head_dim)
     else:
-        cache = torch.empty(batch * pages, page_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+        shape = (batch * pages, page_size, num_kv_heads, head_dim)
+    cache = torch.empty(shape, dtype=cache_dtype, device=device)
+    # Other strides for V: its rows twice as far apart (a V half of a (2 * rows, ...) allocation).
+    v_cache = torch.empty(2 * shape[0], *shape[1:], dtype=cache_dtype, device=device)[::2] if features.kv_strides_differ else cache
     lens = torch.empty(batch, dtype=torch.int32, device=device)
     table = lens.new_empty(batch, pages) if page_size is not None else None
     constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size, has_leftpad, features)
     workspace = alloc_workspace(1, constexprs["BLOCK_G"], head_dim, torch.device(device))  # row blocks only
     vector = torch.empty(group * num_kv_heads, device=device)
     return launch_args(
-        q, cache, cache, lens, lens if has_leftpad else None, table, torch.empty_like(q),
+        q, cache, v_cache, lens, lens if has_leftpad else None, table, torch.empty_like(q),
         torch.empty(q.shape[:-1], device=device), workspace, lens, 1.0, 1, config,
         k_scale=vector[:1] if features.fp8 else None, v_scale=vector[:1] if features.fp8 else None,
         softcap=30.0 if features.softcap else None, window=128 if features.window else None,
@@ -309,7 +316,7 @@ def decode_attention_fwd(
     q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     head_dim, group = q.shape[-1], q.shape[-2] // layout.num_kv_heads
-    features = features_of(q4, layout.dtype, softcap, window, sinks)
+    features = features_of(q4, layout, softcap, window, sinks)
     config = config or get_config(q.device, head_dim, q.dtype)
     if num_programs is None:
         num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features, cache_leftpad is not None)
@@ -338,11 +345,12 @@ def decode_attention_fwd(
 
 
 def features_of(
-    q4: torch.Tensor, cache_dtype: torch.dtype, softcap: float | None, window: int | None, sinks: torch.Tensor | None
+    q4: torch.Tensor, layout: CacheLayout, softcap: float | None, window: int | None, sinks: torch.Tensor | None
 ) -> KernelFeatures:
     """The kernel variant a call needs; q4 is (B, Tq, Hq, D)."""
-    fp8 = cache_dtype if cache_dtype != q4.dtype else None
-    return KernelFeatures(q4.shape[1], fp8, softcap is not None, window is not None, sinks is not None)
+    fp8 = layout.dtype if layout.dtype != q4.dtype else None
+    return KernelFeatures(q4.shape[1], fp8, softcap is not None, window is not None, sinks is not None,
+                          layout.k_strides != layout.v_strides)  # fmt: skip
 
 
 def _stride_align(strides: tuple[int, ...], element_size: int) -> int:
@@ -371,7 +379,7 @@ def launch_args(
     program."""
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = q.shape[2] // layout.num_kv_heads
-    features = features_of(q, layout.dtype, softcap, window, sinks)
+    features = features_of(q, layout, softcap, window, sinks)
     strides = (q.stride(0), q.stride(1), q.stride(2), *layout.k_strides, *layout.v_strides)
     arch = arch or arch_of(q.device)
     constexprs = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size, cache_leftpad is not None,

@@ -30,6 +30,11 @@ class DecodeConfig:
     # fp32 elements of partials the merge loads per loop iteration ([members, BLOCK_G, BLOCK_D]):
     # fewer iterations per merge level, at the price of registers (see _WAVE80, _WAVE90).
     merge_wave_elems: int = 1024
+    # Paged caches: V's key addresses are K's (when V's strides equal K's) instead of formed a
+    # second time from the same page ids (see _NO_SHARE). Contiguous caches never share: there a
+    # key's address is one multiply-add, sharing saved 0-9 SASS per iteration and cost sm_80
+    # D=256 and sm_90 D=64 a program per SM (kernel report, compiled as launched).
+    share_kv_addresses: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "block_n", "max_block_g"):
@@ -95,6 +100,11 @@ _BN64 = "; 64-key blocks: 128 would need 137 KB smem (1 program/SM on H100, 249 
 # merges 1.3-1.7 us faster than with one partial per iteration (lean_tp/simulate.py).
 _WAVE90 = "; merge: 8192-element waves, 3 programs/SM kept (kernel report)"
 _WAVE80 = "; merge: 8192-element waves, 2 programs/SM on paged16 (enough in flight; kernel report, simulator)"
+# One address per key for K and V: paged16 SASS per iteration at sm_90 D=128 632 -> 508 (1.15x
+# contiguous's 443), sm_80 D=128 610 -> 511, sm_90 D=256 377 -> 323 with 2 programs/SM instead
+# of 1 (154 -> 128 registers). At sm_90 D=64 it saved 16 of 453 and took 168 -> 205 registers
+# (3 -> 2 programs/SM), so that entry does not share.
+_NO_SHARE = "; paged V addresses formed apart from K's: sharing them cost a program/SM here (kernel report)"
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
@@ -104,7 +114,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80, 8192),
     ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _BN64 + _STAGES80 + _FITS + _WAVE80, 8192),
     ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES80 + _FITS + _WAVE80, 8192),
-    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90, 8192),
+    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE,
+                                  8192, share_kv_addresses=False),
     ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90, 8192),
     ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90, 8192),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
