@@ -48,11 +48,15 @@ def _report_rows(stats):
 
 
 def test_every_table_entry_compiles_for_every_layout(stats):
-    """Every 16-bit entry on every layout; every fp32 entry on one, and every layout for fp32."""
+    """Every 16-bit entry on every layout; every fp32 entry on one, and every layout for fp32;
+    every fp8 entry, as the fp8 features of its head dim."""
     built = {(s.arch, s.head_dim, s.dtype, s.layout) for s in _report_rows(stats)}
+    fp8 = {(s.arch, s.head_dim) for s in stats if s.features.startswith("fp8")}
     for arch, head_dim, size in TUNING_TABLE:
         if arch != "interp" and size == 2:
             assert {(arch, head_dim, "fp16", layout) for layout in LAYOUTS} <= built
+        elif arch != "interp" and size == 1:
+            assert (arch, head_dim) in fp8
         elif arch != "interp":
             assert any((arch, head_dim, "fp32", layout) in built for layout in LAYOUTS)
     for arch in ("sm80", "sm90"):

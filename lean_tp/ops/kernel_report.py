@@ -229,8 +229,8 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     from lean_tp.ops.decode_attention.tuning import config_for
 
     torch_dtype = DTYPES[dtype]
-    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype), **dict(overrides))
     variant = KernelFeatures(**FEATURES[features])
+    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, variant.fp8), **dict(overrides))
     args = example_args(torch_dtype, head_dim, group, LAYOUTS[layout], leftpad, config, features=variant, arch=arch)
     kernel = compile_as_launched(args, config, GPUTarget("cuda", int(arch[2:]), 32))
     regs, stack, static_shared = _resources(kernel.asm["cubin"])
@@ -269,7 +269,8 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
 
     jobs = []
     for (arch, head_dim, size), config in TUNING_TABLE.items():
-        if arch == "interp" or not _valid(config, overrides):
+        # fp8 entries are compiled as the fp8 features of the 16-bit entry of their head dim.
+        if arch == "interp" or size == 1 or not _valid(config, overrides):
             continue
         dtype = "fp16" if size == 2 else "fp32"
         jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False, overrides, "") for layout in LAYOUTS]

@@ -92,7 +92,7 @@ def test_fp8_e4m3_as_bytes_compiled_matches_the_native_conversion():
                                        cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=3))  # fmt: skip
     spread = inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1], device="cuda")[None, :, None, None]
     inputs["k_cache"] = spread.clamp(-448, 448).to(torch.float8_e4m3fn)
-    config = get_config(inputs["q"].device, 128, torch.float16)
+    config = get_config(inputs["q"].device, 128, torch.float16, torch.float8_e4m3fn)
     scales = [torch.tensor([x], dtype=torch.float32, device="cuda") if isinstance(x, float) else x
               for x in (inputs["k_scale"], inputs["v_scale"])]  # fmt: skip
     results = []

@@ -215,7 +215,7 @@ def _programs_per_sm_on(
     the call: left padding and ``features`` too, which can cost registers), capped by the table."""
     from triton.runtime import driver
 
-    config = get_config(torch.device("cuda", index), head_dim, dtype)
+    config = get_config(torch.device("cuda", index), head_dim, dtype, features.fp8)
     args = example_args(dtype, head_dim, group, page_size, has_leftpad, config, features=features,
                         arch=arch_of(torch.device("cuda", index)))  # fmt: skip
     with torch.cuda.device(index):
@@ -317,7 +317,7 @@ def decode_attention_fwd(
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     head_dim, group = q.shape[-1], q.shape[-2] // layout.num_kv_heads
     features = features_of(q4, layout, softcap, window, sinks)
-    config = config or get_config(q.device, head_dim, q.dtype)
+    config = config or get_config(q.device, head_dim, q.dtype, layout.dtype)
     if num_programs is None:
         num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features, cache_leftpad is not None)
         num_sms = num_sms or sm_count(q.device)

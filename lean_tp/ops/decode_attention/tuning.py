@@ -1,6 +1,7 @@
 """The one table of tuning constants for the decode kernel, each with the reason it holds.
 
-A configuration is chosen by (architecture, padded head_dim, element size of q). ``arch`` is ``"sm80"`` for
+A configuration is chosen by (architecture, padded head_dim, element size of the cache: 1 for
+fp8, 2 for fp16/bf16, 4 for fp32; an fp8 cache always comes with a 16-bit q). ``arch`` is ``"sm80"`` for
 Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
 nothing is timed and only correctness matters.
 
@@ -18,7 +19,7 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Launch settings of ``decode_attention_fwd_kernel`` for one (arch, head_dim, dtype size)."""
+    """Launch settings of ``decode_attention_fwd_kernel`` for one (arch, head_dim, cache element size)."""
 
     tile_n: int  # T_n: tokens in one LeanTile, the unit of stream-K work
     block_n: int  # keys loaded per inner iteration; divides tile_n
@@ -105,6 +106,15 @@ _WAVE80 = "; merge: 8192-element waves, 2 programs/SM on paged16 (enough in flig
 # of 1 (154 -> 128 registers). At sm_90 D=64 it saved 16 of 453 and took 168 -> 205 registers
 # (3 -> 2 programs/SM), so that entry does not share.
 _NO_SHARE = "; paged V addresses formed apart from K's: sharing them cost a program/SM here (kernel report)"
+# fp8 tiles are half the bytes of 16-bit ones, so a loop iteration's fixed work (the softmax
+# update, the row reductions) is spread over half the bytes; twice the keys per block restore
+# bytes per iteration. Compiled as launched (paged16, fp16 q; kernel report): sm_90 D=64 (256
+# keys) issue share 0.37 -> 0.32, D=128 (128 keys) 0.36 -> 0.27, both 3 -> 2 programs/SM (128 KB
+# of K/V buffered against Little's 16 KB); D=256 (64 keys) 0.47 -> 0.33 and sm_80 D=256 0.57 ->
+# 0.47 (e4m3), 1 program/SM either way.
+_FP8_BLOCKS = "; fp8: twice the 16-bit entry's keys per block (issue share, kernel report)"
+# sm_80 D <= 128 with doubled blocks fit 1 program/SM (208-255 registers), not 2.
+_FP8_SM80 = "; fp8: 16-bit blocks kept (doubled ones fit 1 program/SM on A100)"
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
@@ -118,6 +128,14 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
                                   8192, share_kv_addresses=False),
     ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90, 8192),
     ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90, 8192),
+    # fp8 caches, converted to q's 16-bit dtype: the 16-bit entries' tiles, warps and stages, with
+    # key blocks doubled where that fits (see _FP8_BLOCKS).
+    ("sm80", 64, 1): DecodeConfig(256, 128, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_SM80 + _FITS + _WAVE80, 8192),
+    ("sm80", 128, 1): DecodeConfig(128, 64, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_SM80 + _FITS + _WAVE80, 8192),
+    ("sm80", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE80, 8192),
+    ("sm90", 64, 1): DecodeConfig(256, 256, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
+    ("sm90", 128, 1): DecodeConfig(128, 128, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
+    ("sm90", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
     ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
     ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 3, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
@@ -130,6 +148,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=64 entry, untimed", 8192),
     ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=128 entry, untimed", 8192),
     ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the sm90 D=256 entry", 8192),
+    ("interp", 64, 1): DecodeConfig(256, 256, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=64 entry", 8192),
+    ("interp", 128, 1): DecodeConfig(128, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=128 entry", 8192),
+    ("interp", 256, 1): DecodeConfig(64, 64, 32, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=256 entry", 8192),
     ("interp", 64, 4): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
     ("interp", 128, 4): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
     ("interp", 256, 4): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
@@ -156,24 +177,28 @@ def arch_of(device: torch.device) -> str:
     return "sm90" if major >= 9 else "sm80"
 
 
-def get_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The tuning-table entry for a problem on ``device`` (``dtype``: q's); ``ValueError`` for a
-    head_dim the kernel does not take."""
-    return config_for(arch_of(device), head_dim, dtype)
+def get_config(
+    device: torch.device, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> DecodeConfig:
+    """The tuning-table entry for a problem on ``device`` (``dtype``: q's; ``cache_dtype``: the
+    cache's, when not q's); ``ValueError`` for a head_dim the kernel does not take."""
+    return config_for(arch_of(device), head_dim, dtype, cache_dtype)
 
 
-def config_for(arch: str, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def config_for(arch: str, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> DecodeConfig:
     """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have).
 
-    ``dtype`` is q's dtype: an fp8 cache is upcast to it right after loading, so its kernel has
-    the registers and dot shapes of the 16-bit entry (and half its bytes per tile; unmeasured).
+    ``dtype`` is q's dtype, ``cache_dtype`` the cache's when it is not q's (fp8: converted to q's
+    16-bit dtype after loading, so its kernel has the 16-bit dots, and half the bytes per key).
     """
     if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
         raise ValueError(
             f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the Triton backend, "
             f"got head_dim={head_dim}"
         )
-    key = (arch, max(TABLE_HEAD_DIMS[0], padded_head_dim(head_dim)), dtype.itemsize)
+    if dtype.itemsize != 2 and cache_dtype not in (None, dtype):
+        raise ValueError(f"q: expected dtype float16 or bfloat16 with a {cache_dtype} cache, got {dtype}")
+    key = (arch, max(TABLE_HEAD_DIMS[0], padded_head_dim(head_dim)), (cache_dtype or dtype).itemsize)
     if key not in TUNING_TABLE:
         raise ValueError(f"q: expected dtype float16, bfloat16 or float32 for the Triton backend, got {dtype}")
     return TUNING_TABLE[key]
