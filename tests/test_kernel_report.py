@@ -87,6 +87,36 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
             assert s.programs_per_sm >= 2, s
 
 
+def test_page_id_loads_are_found_in_the_compiled_loop(stats):
+    """``page_id_timing`` finds the block-table loads of every paged kernel's K/V loop and none in a
+    contiguous one, and says how many the issuing iteration reads. All of them, today: the
+    pipelined loop reads each page id in the iteration that loads it (docs/kernel_report.md,
+    "Paged addresses"), so the report shows the open target (0) beside what is compiled."""
+    for s in _report_rows(stats):
+        if s.layout == "contiguous":
+            assert s.page_id_loads == 0, s
+        else:
+            assert s.page_id_loads >= 1 and 0 <= s.page_ids_read_same_iter <= s.page_id_loads, s
+
+
+def test_page_id_timing_reads_registers_through_the_loop():
+    """A load read before the loop's end counts as read in its iteration; one only overwritten, or
+    read after the back-edge (the next pass), does not; a 64-bit pair covers both registers."""
+    from lean_tp.ops.kernel_report import page_id_timing
+
+    def sass(*body):
+        lines = [f"        /*{0x100 + 16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)]
+        lines.append(f"        /*{0x100 + 16 * len(body):04x}*/                   HMMA.16816.F32 R0, R4, R8, R0 ;")
+        lines.append(f"        /*{0x100 + 16 * (len(body) + 1):04x}*/                   @P0 BRA 0x100 ;")
+        return "\n".join(lines)
+
+    assert page_id_timing(sass("LDG.E R10, desc[UR4][R2.64]", "IMAD.WIDE R20, R10, UR6, R22")) == (1, 1)
+    assert page_id_timing(sass("LDG.E R10, desc[UR4][R2.64]", "MOV R10, R11", "IADD3 R12, R10, R1, RZ")) == (1, 0)
+    assert page_id_timing(sass("LDG.E R11, desc[UR4][R2.64]", "LDGSTS.E.BYPASS.128 [R5], desc[UR4][R10.64]")) == (1, 1)
+    assert page_id_timing(sass("IADD3 R12, R10, R1, RZ", "@P1 LDG.E R10, desc[UR4][R2.64]")) == (1, 0)
+    assert page_id_timing(sass("LDG.E.128 R8, desc[UR4][R2.64]", "FADD R1, R8, R9")) == (0, 0)
+
+
 def test_paged_kernels_cost_little_more_than_contiguous(stats):
     """paged16 SASS per K/V iteration within 1.25x the contiguous kernel's, for every 16-bit entry
     (triton 3.7.1: at most 1.18x, sm_80 D=128; sm_90 D=128 1.15x): the page lookup and the key

@@ -24,6 +24,9 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
   ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
   ``FFMA`` for fp32's "ieee" dots);
+- ``page_id_loads``, ``page_ids_read_same_iter``: block-table loads (32-bit ``LDG.E``) of one
+  thread in one K/V-loop iteration, and how many of them the same iteration reads (each such
+  read waits for a global load; ``page_id_timing``);
 - ``merge_wave``: partials the merge loads per loop iteration (``WAVE``), ``merge_sass_per_wave`` and
   ``merge_loads_per_wave``: SASS instructions and L2 (``.cg``) loads of one iteration of the merge
   loop, which merges one wave; SASS per contributor is their ratio to ``merge_wave``.
@@ -90,6 +93,8 @@ class KernelStats:
     merge_wave: int  # partials the merge loads per loop iteration (one wave)
     merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
     merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
+    page_id_loads: int = 0  # block-table loads per thread in one K/V-loop iteration (paged only)
+    page_ids_read_same_iter: int = 0  # of them, read in the iteration that issues them
 
     @property
     def _gpu(self):
@@ -165,16 +170,60 @@ def _count(code: list[tuple[int, str]], loop: tuple[int, int], matches) -> int:
     return sum(matches(op) for a, op in code if loop[0] <= a <= loop[1])
 
 
-def kv_loop_of_sass(text: str) -> tuple[int, int]:
-    """(instructions, LDL/STL) of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
+def _kv_loop(text: str) -> tuple[int, int]:
+    """(first, last) address of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
     holding the most tensor-core multiply-accumulates (HMMA/HGMMA), or the most FFMA when no loop
     has any (fp32's "ieee" dots). The merge's loop has FFMA but no HMMA."""
     code, innermost = _sass_loops(text)
     tensor_core = lambda op: op.split(".")[0] in ("HMMA", "HGMMA")  # noqa: E731
     macs = tensor_core if any(_count(code, loop, tensor_core) for loop in innermost) else (lambda op: op.split(".")[0] == "FFMA")
-    lo, hi = max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
+    return max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
+
+
+def kv_loop_of_sass(text: str) -> tuple[int, int]:
+    """(instructions, LDL/STL) of the K/V loop (``_kv_loop``)."""
+    code, _ = _sass_loops(text)
+    lo, hi = _kv_loop(text)
     body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
     return len(body), sum(op in ("LDL", "STL") for op in body)
+
+
+def _registers(operands: str) -> set[int]:
+    """General registers an operand list names (``R7``, a pair ``R6.64``; not ``UR``/``RZ``)."""
+    regs = set()
+    for n, pair in re.findall(r"(?<![A-Z])R(\d+)(\.64)?", operands):
+        regs |= {int(n), int(n) + 1} if pair else {int(n)}
+    return regs
+
+
+def page_id_timing(text: str) -> tuple[int, int]:
+    """(block-table loads, of them read in the iteration that issues them) in the K/V loop.
+
+    A block-table load is a 32-bit ``LDG.E`` (K/V data arrive by ``LDGSTS`` or wider loads, the
+    merge's partials by ``.STRONG.GPU`` loads, outside the loop). It is read in its own iteration
+    when a later instruction of the loop body reads its register before any writes it; otherwise
+    the value is carried to the next iteration, which is what hides its latency.
+    """
+    lo, hi = _kv_loop(text)
+    body = [(op, rest) for a, op, rest in
+            ((int(a, 16), op, rest) for a, op, rest in
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text))
+            if lo <= a <= hi]  # fmt: skip
+    loads = same = 0
+    for i, (op, rest) in enumerate(body):
+        if not re.fullmatch(r"LDG\.E(\.CONSTANT)?", op):
+            continue
+        loads += 1
+        reg = min(_registers(rest.split(",")[0]))
+        for later_op, later in body[i + 1 :]:
+            dest, _, sources = later.partition(",")
+            if reg in _registers(sources) or (not re.fullmatch(r"\s*R\d+\S*\s*", dest) and reg in _registers(dest)):
+                same += 1
+                break
+            if re.fullmatch(r"\s*R\d+\S*\s*", dest) and reg in _registers(dest) | (
+                {min(_registers(dest)) + 1} if "WIDE" in later_op else set()):
+                break
+    return loads, same
 
 
 def merge_loop_of_sass(text: str) -> tuple[int, int]:
@@ -242,7 +291,7 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
         *_kv_load_bytes(kernel.asm["ptx"]), _kv_buffers(kernel.asm["ttgir"], config.block_n, args["BLOCK_D"]),
         max(waits, default=0),
-        *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass),
+        *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass), *page_id_timing(sass),
     )  # fmt: skip
 
 
@@ -342,8 +391,9 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "(`python -m lean_tp.ops.kernel_report`).",
         "",
         "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V buffers | wait_group "
-        "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | merge: partials/iter | merge: SASS/contributor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | page ids read in own iteration "
+        "| merge: partials/iter | merge: SASS/contributor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if not r.features):
         lines.append(
@@ -352,6 +402,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
             f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} | {r.wait_group} "
             f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
             f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
+            f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
             f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
         )
     lines += [
@@ -359,14 +410,15 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "Serving features, paged16 (`FEATURES` in `lean_tp/ops/kernel_report.py`; fp8 variants read an fp8 cache "
         "with an fp16 q):",
         "",
-        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | SASS/iter | issue share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | BLOCK_N | SASS/iter "
+        "| issue share | page ids read in own iteration |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r.features):
         lines.append(
             f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
-            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.sass_per_iter} "
-            f"| {r.issue_share:.2f} |"
+            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} "
+            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
         )
     return "\n".join(lines) + "\n"
 
