@@ -147,6 +147,17 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
     torch.testing.assert_close(results[0][0].double(), ref_out, atol=ATOL[torch.float16], rtol=0)
 
 
+@pytest.mark.parametrize("layout", ["paged16", "paged64"])
+def test_page_ids_looked_up_in_the_loop(layout):
+    """The D=128 16-bit entries look page ids up inside the K/V loop (``paged_stages``: the GPU
+    pipeliner copies them a stage ahead) instead of carrying them; block starts off the page grid
+    (left padding, a window) and every way a sequence meets the tiles."""
+    assert get_config(torch.device("cpu"), 128, torch.float16).paged_stages
+    inputs = make_feature_inputs(tile_lens(128) + [700], 8, 2, 128, torch.float16, layout, tq=2,
+                                 leftpad=[3, 0, 17, 1, 0, 5, 2], window=150, seed=14)  # fmt: skip
+    check_kernel(inputs, 4, ATOL[torch.float16])
+
+
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["fp16", "e5m2"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_v_strides_apart_from_k(layout, cache_dtype):

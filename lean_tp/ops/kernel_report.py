@@ -199,10 +199,12 @@ def _registers(operands: str) -> set[int]:
 def page_id_timing(text: str) -> tuple[int, int]:
     """(block-table loads, of them read in the iteration that issues them) in the K/V loop.
 
-    A block-table load is a 32-bit ``LDG.E`` (K/V data arrive by ``LDGSTS`` or wider loads, the
-    merge's partials by ``.STRONG.GPU`` loads, outside the loop). It is read in its own iteration
-    when a later instruction of the loop body reads its register before any writes it; otherwise
-    the value is carried to the next iteration, which is what hides its latency.
+    A block-table load is a 32-bit ``LDG.E`` into a register, or a 4-byte ``LDGSTS.E`` into shared
+    memory: the pipeliner's copy a stage ahead (``DecodeConfig.paged_stages``), read after a wait
+    on a later pass (K/V data arrive by 16-byte ``LDGSTS`` or wider loads, the merge's partials by
+    ``.STRONG.GPU`` loads, outside the loop). A register load is read in its own iteration when a
+    later instruction of the loop body reads its register before any writes it; otherwise the
+    value is carried to the next iteration, which is what hides its latency.
     """
     lo, hi = _kv_loop(text)
     body = [(op, rest) for a, op, rest in
@@ -211,6 +213,7 @@ def page_id_timing(text: str) -> tuple[int, int]:
             if lo <= a <= hi]  # fmt: skip
     loads = same = 0
     for i, (op, rest) in enumerate(body):
+        loads += op == "LDGSTS.E"
         if not re.fullmatch(r"LDG\.E(\.CONSTANT)?", op):
             continue
         loads += 1

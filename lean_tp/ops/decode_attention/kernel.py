@@ -91,8 +91,8 @@ def _attend(
     b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, b_lo, b_hi, qk_scale, cap_log2,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):  # fmt: skip
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
@@ -107,18 +107,23 @@ def _attend(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    o_n = n_lo + tl.arange(0, BLOCK_N)
-    o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, o_n < n_hi, stride_bt, PAGED, PAGE_SIZE)
+    if not PAGE_IDS_AHEAD:
+        o_n = n_lo + tl.arange(0, BLOCK_N)
+        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, o_n < n_hi, stride_bt, PAGED, PAGE_SIZE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        # The next block's (row, position) is computed here and carried to the next iteration, so
-        # the pipeliner can multi-buffer paged K/V as it does contiguous K/V (kernel report: 2+
-        # buffers). The page lookup is shared by K and V, and with SAME_KV_STRIDES the addresses
-        # too. The compiled loop still consumes the block-table loads in the iteration that issues
-        # them (docs/kernel_report.md, "Paged addresses").
-        o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
-                                           PAGED, PAGE_SIZE)  # fmt: skip
+        # The page lookup is shared by K and V, and with SAME_KV_STRIDES the addresses too.
+        if PAGE_IDS_AHEAD:
+            # Looked up for this block; the pipeliner copies the page ids to shared memory a stage
+            # ahead of the K/V copies they address (launched with DecodeConfig.paged_stages).
+            o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
+        else:
+            # The next block's (row, position), carried to the next iteration so the pipeliner
+            # multi-buffers K/V at num_stages; the compiled loop reads these block-table loads in
+            # the iteration that issues them (docs/kernel_report.md, "Paged addresses").
+            o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
+                                               PAGED, PAGE_SIZE)  # fmt: skip
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM, BLOCK_D), b_q.dtype, E4M3_BITS)
@@ -138,7 +143,8 @@ def _attend(
         b_v = _upcast(_load_rows(p_v, m_n, o_d, HEAD_DIM, BLOCK_D), b_q.dtype, E4M3_BITS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
-        o_row, o_pos = o_row_next, o_pos_next
+        if not PAGE_IDS_AHEAD:
+            o_row, o_pos = o_row_next, o_pos_next
     return b_acc, b_m, b_l
 
 
@@ -259,7 +265,7 @@ def decode_attention_fwd_kernel(
     MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
-    E4M3_BITS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    E4M3_BITS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
@@ -268,7 +274,8 @@ def decode_attention_fwd_kernel(
     of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
     turns q.k into the log2-domain score (see ``_attend`` for SOFTCAP); with HAS_SCALES (fp8) it
     is multiplied by the KV head's k_scale and the partial by its v_scale (E4M3_BITS: see
-    ``_upcast``). SAME_KV_STRIDES: use K's strides for V (the launcher found them equal). STRIDE_ALIGN divides
+    ``_upcast``). SAME_KV_STRIDES: use K's strides for V (the launcher found them equal);
+    PAGE_IDS_AHEAD: see ``_attend``. STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
@@ -313,7 +320,8 @@ def decode_attention_fwd_kernel(
             b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base + seq_len - span, tile * TILE_N,
             tl.minimum((tile + seg_end - t) * TILE_N, span), b_lo, b_hi, qk_scale * k_scale, cap_log2,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TQ > 1, SOFTCAP, E4M3_BITS,
+            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, PAGE_IDS_AHEAD, DOT_PRECISION, TQ > 1, SOFTCAP,
+            E4M3_BITS,
         )  # fmt: skip
         if HAS_SCALES:
             v_scale = tl.load(v_scale_ptr + h_kv * stride_vs)

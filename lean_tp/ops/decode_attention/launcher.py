@@ -82,6 +82,7 @@ def kernel_constexprs(
         "HAS_SCALES": features.fp8 is not None,
         "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
         "SAME_KV_STRIDES": page_size is not None and config.share_kv_addresses and not features.kv_strides_differ,
+        "PAGE_IDS_AHEAD": page_size is not None and config.paged_stages > 0,
     }
 
 
@@ -129,7 +130,7 @@ def compile_as_launched(args: dict[str, Any], config: DecodeConfig, target: Any)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = {
         "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
+        "num_stages": config.stages(args["PAGED"]),
         "debug": fn.debug or knobs.runtime.debug,
         "instrumentation_mode": knobs.compilation.instrumentation_mode,
     }
@@ -340,7 +341,8 @@ def decode_attention_fwd(
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
                        softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks,
                        num_sms=num_sms)  # fmt: skip
-    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps,
+                                                         num_stages=config.stages(layout.paged))
     return out, lse
 
 
