@@ -15,8 +15,8 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
 - ``programs_per_sm`` on an A100 (sm_80) or H100 (sm_90), from ``launcher.programs_per_sm``;
 - ``k_load_bytes``, ``v_load_bytes``: width of the K and of the V global loads, the most frequent
   width among the ``cp.async`` copies of K's and of V's commit groups (the kernel loads each block's
-  K, then its V: the groups alternate), or among ``ld.global`` data loads for both when nothing is
-  copied asynchronously;
+  K, then its V: the groups alternate; 4-byte copies are page ids), or among ``ld.global`` data
+  loads for both when nothing is copied asynchronously;
 - ``kv_buffers``: K/V tiles the shared memory holds per operand (2 or more: multi-buffered; the
   pipeliner's (buffers, BLOCK_N, BLOCK_D) allocations in the TTGIR, which an fp8 kernel's staged
   16-bit tiles do not change), and
@@ -245,7 +245,9 @@ def _kv_load_bytes(ptx: str) -> tuple[int, int]:
     """(K, V) global load widths in bytes; see the module docstring."""
     copy = r"cp\.async\.c[ag]\.shared\.global[^;]*?, (0x[0-9a-f]+)"
     groups = [[int(w, 16) for w in re.findall(copy, g)] for g in ptx.split("cp.async.commit_group")]
-    groups = [g for g in groups if g]
+    # Page ids copied a stage ahead (paged_stages) are 4-byte copies of their own, or joined to a
+    # K/V group: K/V tiles are copied 8 or 16 bytes at a time.
+    groups = [wide for g in groups if (wide := [w for w in g if w > 4])]
     if groups:
         k, v = (collections.Counter(w for g in groups[i::2] for w in g) for i in (0, 1))
         return k.most_common(1)[0][0], (v or k).most_common(1)[0][0]
