@@ -124,6 +124,15 @@ def test_fp8_cache(cache_dtype, per_head_scale, layout):
     check_kernel(inputs, 4, ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("head_dim", [40, 256])
+def test_fp8_cache_head_dims(head_dim):
+    """The fp8 tuning entries at the other padded sizes (64 with 256-key blocks, 256 with 64-key
+    blocks), per-head scales, a tile's worth of ragged lengths."""
+    inputs = make_feature_inputs(tile_lens(head_dim), 8, 2, head_dim, torch.bfloat16, "paged16",
+                                 cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=head_dim)  # fmt: skip
+    check_kernel(inputs, 4, ATOL[torch.bfloat16])
+
+
 def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
     """sm_80's path (e4m3 read as uint8, converted by bit moves) gives bitwise the result of the
     native conversion, checked by running both variants in the interpreter."""
