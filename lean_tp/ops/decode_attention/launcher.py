@@ -191,8 +191,9 @@ def example_args(
     else:
         shape = (batch * pages, page_size, num_kv_heads, head_dim)
     cache = torch.empty(shape, dtype=cache_dtype, device=device)
-    # Other strides for V: its rows twice as far apart (a V half of a (2 * rows, ...) allocation).
-    v_cache = torch.empty(2 * shape[0], *shape[1:], dtype=cache_dtype, device=device)[::2] if features.kv_strides_differ else cache
+    v_cache = cache
+    if features.kv_strides_differ:  # V's rows twice as far apart: every other row of an allocation
+        v_cache = torch.empty(2 * shape[0], *shape[1:], dtype=cache_dtype, device=device)[::2]
     lens = torch.empty(batch, dtype=torch.int32, device=device)
     table = lens.new_empty(batch, pages) if page_size is not None else None
     constexprs = kernel_constexprs(config, head_dim, group, dtype, page_size, has_leftpad, features)
