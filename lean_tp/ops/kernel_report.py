@@ -24,9 +24,9 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
 - ``sass_per_iter``: SASS instructions in one iteration of the K/V loop (BLOCK_N keys), read from
   ``cuobjdump -sass``: the innermost loop holding the most multiply-accumulates (``HMMA``, or
   ``FFMA`` for fp32's "ieee" dots);
-- ``page_id_loads``, ``page_ids_read_same_iter``: block-table loads (32-bit ``LDG.E``) of one
-  thread in one K/V-loop iteration, and how many of them the same iteration reads (each such
-  read waits for a global load; ``page_id_timing``);
+- ``page_id_loads``, ``page_ids_read_same_iter``: block-table loads (32-bit ``LDG.E``, or 4-byte
+  ``LDGSTS.E`` copies a stage ahead) of one thread in one K/V-loop iteration, and how many of them
+  the same iteration reads (each such read waits for a global load; ``page_id_timing``);
 - ``merge_wave``: partials the merge loads per loop iteration (``WAVE``), ``merge_sass_per_wave`` and
   ``merge_loads_per_wave``: SASS instructions and L2 (``.cg``) loads of one iteration of the merge
   loop, which merges one wave; SASS per contributor is their ratio to ``merge_wave``.
@@ -170,20 +170,19 @@ def _count(code: list[tuple[int, str]], loop: tuple[int, int], matches) -> int:
     return sum(matches(op) for a, op in code if loop[0] <= a <= loop[1])
 
 
-def _kv_loop(text: str) -> tuple[int, int]:
-    """(first, last) address of the K/V loop in ``cuobjdump -sass`` output: the innermost loop
+def _kv_loop(code: list[tuple[int, str]], innermost: list[tuple[int, int]]) -> tuple[int, int]:
+    """(first, last) address of the K/V loop among ``_sass_loops``'s innermost loops: the one
     holding the most tensor-core multiply-accumulates (HMMA/HGMMA), or the most FFMA when no loop
     has any (fp32's "ieee" dots). The merge's loop has FFMA but no HMMA."""
-    code, innermost = _sass_loops(text)
     tensor_core = lambda op: op.split(".")[0] in ("HMMA", "HGMMA")  # noqa: E731
     macs = tensor_core if any(_count(code, loop, tensor_core) for loop in innermost) else (lambda op: op.split(".")[0] == "FFMA")
     return max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
 
 
 def kv_loop_of_sass(text: str) -> tuple[int, int]:
-    """(instructions, LDL/STL) of the K/V loop (``_kv_loop``)."""
-    code, _ = _sass_loops(text)
-    lo, hi = _kv_loop(text)
+    """(instructions, LDL/STL) of the K/V loop (``_kv_loop``) in ``cuobjdump -sass`` output."""
+    code, innermost = _sass_loops(text)
+    lo, hi = _kv_loop(code, innermost)
     body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
     return len(body), sum(op in ("LDL", "STL") for op in body)
 
@@ -206,7 +205,7 @@ def page_id_timing(text: str) -> tuple[int, int]:
     later instruction of the loop body reads its register before any writes it; otherwise the
     value is carried to the next iteration, which is what hides its latency.
     """
-    lo, hi = _kv_loop(text)
+    lo, hi = _kv_loop(*_sass_loops(text))
     body = [(op, rest) for a, op, rest in
             ((int(a, 16), op, rest) for a, op, rest in
              re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text))
@@ -219,12 +218,16 @@ def page_id_timing(text: str) -> tuple[int, int]:
         loads += 1
         reg = min(_registers(rest.split(",")[0]))
         for later_op, later in body[i + 1 :]:
-            dest, _, sources = later.partition(",")
-            if reg in _registers(sources) or (not re.fullmatch(r"\s*R\d+\S*\s*", dest) and reg in _registers(dest)):
+            first, _, sources = later.partition(",")
+            # A first operand that is a bare register is written (a pair by .WIDE); any other
+            # (an address, a predicate) is read.
+            writes = _registers(first) if re.fullmatch(r"\s*R\d+\S*\s*", first) else set()
+            if "WIDE" in later_op and writes:
+                writes |= {min(writes) + 1}
+            if reg in _registers(sources) | (_registers(first) - writes):
                 same += 1
                 break
-            if re.fullmatch(r"\s*R\d+\S*\s*", dest) and reg in _registers(dest) | (
-                {min(_registers(dest)) + 1} if "WIDE" in later_op else set()):
+            if reg in writes:
                 break
     return loads, same
 
