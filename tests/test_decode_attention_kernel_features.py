@@ -46,7 +46,7 @@ def _kernel_call(inputs: dict, num_programs: int) -> dict:
     q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
     features = features_of(q4, layout, inputs["softcap"], inputs["window"], inputs["sinks"])
-    config = get_config(q.device, q.shape[-1], q.dtype)
+    config = get_config(q.device, q.shape[-1], q.dtype, layout.dtype)
     rows = kernel_constexprs(config, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
                              features=features)  # fmt: skip
     workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, rows["BLOCK_G"], q.shape[-1], "cpu"))

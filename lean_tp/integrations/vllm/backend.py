@@ -32,11 +32,11 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from lean_tp.integrations.vllm import NAME, cpu
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import BACKENDS, MAX_QUERY_TOKENS
+from lean_tp.ops.decode_attention.checks import BACKENDS, MAX_QUERY_TOKENS, MIN_PAGE_SIZE
 from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
-# Block sizes vLLM allocates that are pages the op takes (powers of two >= 16).
-PAGE_SIZES = [16, 32, 64, 128, 256]
+# Block sizes vLLM allocates that are pages the op takes: its powers of two, up to 256.
+PAGE_SIZES = [MIN_PAGE_SIZE << k for k in range((256 // MIN_PAGE_SIZE).bit_length())]
 # vLLM's fp8 cache dtypes (stored as uint8) and what they hold.
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # vLLM's Triton attention, the delegate on GPUs, takes head sizes from 32 up.

@@ -23,6 +23,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
 # each K/V tile, so a bound keeps the row block within what one program holds.
 MAX_QUERY_TOKENS = 16
+# Paged caches: the page size is a power of two of at least this many tokens.
+MIN_PAGE_SIZE = 16
 # Call features (by argument name, see ``call_features``) the Triton kernel implements beyond
 # one-token decode; a feature missing here is refused on the Triton backend, never run slowly.
 KERNEL_FEATURES: frozenset[str] = frozenset({"q", "k_cache", "softcap", "window", "sinks"})
@@ -189,8 +191,8 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")
     page_size = k_cache.shape[1]
-    if page_size < 16 or page_size & (page_size - 1) != 0:
-        raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two >= 16, got {page_size}")
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1) != 0:
+        raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two >= {MIN_PAGE_SIZE}, got {page_size}")
 
 
 def _check_values(
