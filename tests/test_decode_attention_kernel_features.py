@@ -11,6 +11,8 @@ sm_90 by tests/test_kernel_report.py and run on a GPU by tests/gpu.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import ATOL, LAYOUTS
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
@@ -18,7 +20,7 @@ import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, kernel_support
-from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.kernel import _e4m3_words_to_f16, decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import (
     alloc_workspace,
     decode_attention_fwd,
@@ -133,14 +135,46 @@ def test_fp8_cache_head_dims(head_dim):
     check_kernel(inputs, 4, ATOL[torch.bfloat16])
 
 
-def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
-    """sm_80's path (e4m3 read as uint8, converted by bit moves) gives bitwise the result of the
-    native conversion, checked by running both variants in the interpreter."""
+@triton.jit
+def _e4m3_words_kernel(w_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr):
+    o_r = tl.arange(0, R)
+    x = _e4m3_words_to_f16(tl.load(w_ptr + o_r[:, None] * C + tl.arange(0, C)[None, :]))
+    tl.store(out_ptr + o_r[:, None] * 4 * C + tl.arange(0, 4 * C)[None, :], x)
+
+
+def test_e4m3_words_convert_every_byte_in_every_position():
+    """The word conversion gives every float8_e4m3fn byte's value x 2^-8, bitwise, subnormals and
+    signed zeros included, at each of a word's four byte positions; the NaN codes (unused by a
+    KV cache) become +-1.875 (480 x 2^-8), finite."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    tile = torch.stack([codes.roll(k) for k in range(4)], dim=-1).reshape(64, 16)  # each code at each position
+    out = torch.full((64, 16), float("nan"), dtype=torch.float16)
+    _e4m3_words_kernel[(1,)](tile.view(torch.int32), out, R=64, C=4)
+    expected = (tile.view(torch.float8_e4m3fn).float() * 2.0**-8).half()
+    nan = expected.isnan()
+    assert nan.sum() == 8  # 0x7f and 0xff at each position
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert torch.equal(out[nan].abs(), torch.full((8,), 1.875, dtype=torch.float16))
+
+
+def _shifted(cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """``cache``'s values in a fresh buffer, starting ``offset`` elements in."""
+    buf = torch.empty(cache.numel() + offset, dtype=cache.dtype)
+    buf[offset:] = cache.flatten()
+    return buf[offset:].view(cache.shape)
+
+
+@pytest.mark.parametrize("offset", [0, 2], ids=["words", "bytes"])
+def test_fp8_e4m3_as_bytes_matches_the_native_conversion(offset):
+    """sm_80's path (e4m3 read as int32 words, or as uint8 bytes where the caches do not start on
+    a 4-byte boundary, converted by bit moves) gives bitwise the result of the native conversion,
+    checked by running both variants in the interpreter."""
     inputs = make_feature_inputs([0, 9, 300], 8, 2, 64, torch.float16, "paged16", tq=2, cache_dtype=torch.float8_e4m3fn,
                                  per_head_scale=True, seed=8)  # fmt: skip
+    inputs["v_cache"] = _shifted(inputs["v_cache"], offset)
     # Keys over fp8's whole range, subnormals included (clamped: torch 2.11 casts overflow to NaN).
     spread = inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1])[None, :, None, None]
-    inputs["k_cache"] = spread.clamp(-448, 448).to(torch.float8_e4m3fn)
+    inputs["k_cache"] = _shifted(spread.clamp(-448, 448).to(torch.float8_e4m3fn), offset)
     results = []
     for arch in ("sm80", "interp"):
         call = _kernel_call(inputs, 4)
@@ -149,6 +183,8 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion():
                            call["softmax_scale"], 4, get_config(torch.device("cpu"), 64, torch.float16),
                            call["k_scale"], call["v_scale"], arch=arch)  # fmt: skip
         assert args["E4M3_BITS"] == (arch == "sm80")
+        read_as = {"sm80": torch.uint8 if offset % 4 else torch.int32, "interp": torch.float8_e4m3fn}
+        assert args["k_ptr"].dtype == args["v_ptr"].dtype == read_as[arch]
         decode_attention_fwd_kernel[(4,)](**args)
         results.append((call["out"], call["lse"]))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -141,7 +141,8 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     loads, K/V double-buffered, 2+ programs per SM for D <= 128. V's 16-byte copies are the sign
     that the tile is converted after a row-wise read from shared memory (``kernel._opaque``):
     converted inside the dot operand's load, V is copied 8 bytes at a time and read byte by byte,
-    and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md)."""
+    and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md). sm_80 e4m3
+    is read as words (0.39-0.41; read as bytes, 0.47-0.49)."""
     rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2")]
     assert {s.head_dim for s in rows} >= {64, 128, 256} and len({s.features for s in rows}) == 2, rows
     for s in rows:
@@ -151,7 +152,7 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
         if s.head_dim <= 128 and s.dtype == "fp16":
-            assert s.issue_share <= 0.5, s
+            assert s.issue_share <= 0.45, s
 
 
 def test_docs_kernel_report_is_current(stats):

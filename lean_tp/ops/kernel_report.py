@@ -263,7 +263,7 @@ def _kv_load_bytes(ptx: str) -> tuple[int, int]:
 def _kv_buffers(ttgir: str, block_n: int, block_d: int) -> int:
     """K/V tiles per operand that the pipeliner allocates ((buffers, BLOCK_N, BLOCK_D) shared
     allocations), 1 when it allocates none (the tile is staged once, in the loop)."""
-    shapes = re.findall(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x{block_d}x", ttgir)
+    shapes = re.findall(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x\d+x", ttgir)
     return max((int(n) for n in shapes), default=1)
 
 

@@ -50,6 +50,17 @@ def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
     return fp8 == torch.float8_e4m3fn and arch == "sm80"
 
 
+def e4m3_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an E4M3_BITS kernel reads of float8_e4m3fn caches: int32 words of four bytes, which
+    ``kernel._e4m3_words_to_f16`` converts two values per instruction, where both caches allow it
+    (head dim, offset and strides multiples of 4 bytes); else bytes (uint8), one value at a time."""
+    def words(c: torch.Tensor) -> bool:
+        return c.shape[-1] % 4 == 0 and c.storage_offset() % 4 == 0 and all(x % 4 == 0 for x in c.stride()[:-1])
+
+    dtype = torch.int32 if words(k_cache) and words(v_cache) else torch.uint8
+    return k_cache.view(dtype), v_cache.view(dtype)
+
+
 def kernel_constexprs(
     config: DecodeConfig, head_dim: int, group: int, dtype: torch.dtype, page_size: int | None,
     has_leftpad: bool = False, features: KernelFeatures = KernelFeatures(), arch: str = "interp",
@@ -383,12 +394,13 @@ def launch_args(
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = q.shape[2] // layout.num_kv_heads
     features = features_of(q, layout, softcap, window, sinks)
-    strides = (q.stride(0), q.stride(1), q.stride(2), *layout.k_strides, *layout.v_strides)
     arch = arch or arch_of(q.device)
     constexprs = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size, cache_leftpad is not None,
                                    features, arch)  # fmt: skip
-    if constexprs["E4M3_BITS"]:
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    if constexprs["E4M3_BITS"]:  # strides in words when the caches are read as words
+        k_cache, v_cache = e4m3_operands(k_cache, v_cache)
+        layout = CacheLayout.of(k_cache, v_cache, block_table)
+    strides = (q.stride(0), q.stride(1), q.stride(2), *layout.k_strides, *layout.v_strides)
     # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
     lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
     # Scores in the log2 domain; with a softcap, the argument of the exp2 form of tanh (see _attend).
