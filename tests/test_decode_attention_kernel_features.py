@@ -193,11 +193,10 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion(offset):
 
 
 @pytest.mark.parametrize("layout", ["paged16", "paged64"])
-def test_page_ids_looked_up_in_the_loop(layout):
-    """The D=128 16-bit entries look page ids up inside the K/V loop (``paged_stages``: the GPU
-    pipeliner copies them a stage ahead) instead of carrying them; block starts off the page grid
-    (left padding, a window) and every way a sequence meets the tiles."""
-    assert get_config(torch.device("cpu"), 128, torch.float16).paged_stages
+def test_page_lookup_off_the_page_grid(layout):
+    """Page ids are looked up for each block inside the K/V loop, page and slot by a shift and a
+    mask: block starts off the page grid (left padding, a window) and every way a sequence meets
+    the tiles."""
     inputs = make_feature_inputs(tile_lens(128) + [700], 8, 2, 128, torch.float16, layout, tq=2,
                                  leftpad=[3, 0, 17, 1, 0, 5, 2], window=150, seed=14)  # fmt: skip
     check_kernel(inputs, 4, ATOL[torch.float16])

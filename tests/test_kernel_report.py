@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for
-from lean_tp.ops.kernel_report import DTYPES, FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
+from lean_tp.ops.kernel_report import FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
@@ -87,22 +87,19 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
             assert s.programs_per_sm >= 2, s
 
 
-def test_page_ids_are_read_ahead_where_the_table_says(stats):
-    """Paged kernels of entries with ``paged_stages`` (D=128 16-bit on both archs, sm_80 D=128 fp8)
-    read none of their block-table loads in the iteration that issues them: the pipeliner copies
-    the page ids a stage ahead. The other paged kernels carry page ids in registers and read them
-    in the issuing iteration (the report shows it); contiguous kernels load none."""
+def test_page_ids_are_read_ahead(stats):
+    """Every paged 16-bit and fp8 kernel (both archs, every head dim and feature) reads none of its
+    block-table loads in the iteration that issues them: the pipeliner copies the page ids a stage
+    ahead (``paged_stages``), and keeps 2 K/V buffers. fp32 entries (2 stages, one buffer; not a
+    serving dtype) are not held to it. Contiguous kernels load no page ids."""
     ahead = 0
     for s in stats:
-        config = config_for(s.arch, s.head_dim, DTYPES[s.dtype], FEATURES[s.features].get("fp8"))
         if s.layout == "contiguous":
             assert s.page_id_loads == 0, s
-        elif config.paged_stages:
+        elif s.dtype != "fp32":
             assert s.page_id_loads >= 1 and s.page_ids_read_same_iter == 0 and s.kv_buffers >= 2, s
             ahead += 1
-        else:
-            assert s.page_id_loads >= 1 and s.page_ids_read_same_iter == s.page_id_loads, s
-    assert ahead >= 6, ahead
+    assert ahead >= 30, ahead
 
 
 def test_page_id_timing_reads_registers_through_the_loop():
@@ -125,14 +122,14 @@ def test_page_id_timing_reads_registers_through_the_loop():
 
 
 def test_paged_kernels_cost_little_more_than_contiguous(stats):
-    """paged16 SASS per K/V iteration within 1.25x the contiguous kernel's, for every 16-bit entry
-    (triton 3.7.1: at most 1.16x, sm_90 D=128 with its page ids a stage ahead): the page lookup and the key
-    addresses, formed once for K and V (``DecodeConfig.share_kv_addresses``), stay a small part
-    of the loop."""
+    """paged16 SASS per K/V iteration within 1.15x the contiguous kernel's, for every 16-bit entry
+    (triton 3.7.1: 0.96-1.04x): the page lookup (a shift and a mask per key, page ids a stage
+    ahead) and the key addresses, formed once for K and V (``DecodeConfig.share_kv_addresses``),
+    stay a small part of the loop. Signed // and % for page and slot took sm_90 D=128 to 1.16x."""
     rows = {(s.arch, s.head_dim, s.layout): s.sass_per_iter for s in _report_rows(stats)
             if s.dtype == "fp16" and not s.features}  # fmt: skip
     pairs = [(rows[(a, d, "paged16")], rows[(a, d, "contiguous")]) for a, d, layout in rows if layout == "contiguous"]
-    assert len(pairs) == 6 and all(paged <= 1.25 * contiguous for paged, contiguous in pairs), pairs
+    assert len(pairs) == 6 and all(paged <= 1.15 * contiguous for paged, contiguous in pairs), pairs
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -142,11 +139,13 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     that the tile is converted after a row-wise read from shared memory (``kernel._opaque``):
     converted inside the dot operand's load, V is copied 8 bytes at a time and read byte by byte,
     and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md). sm_80 e4m3
-    is read as words (0.39-0.41; read as bytes, 0.47-0.49)."""
+    is read as words (0.37-0.42; read as bytes, 0.47-0.49)."""
     rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2")]
     assert {s.head_dim for s in rows} >= {64, 128, 256} and len({s.features for s in rows}) == 2, rows
     for s in rows:
-        assert s.loop_spills == 0 and s.spill_bytes <= 64, s
+        # Cold spills (the stack frame, touched outside the K/V loop): sm_90 D=64 with a bf16 q,
+        # paged64, keeps 96 bytes at 255 registers.
+        assert s.loop_spills == 0 and s.spill_bytes <= 128, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
         if s.head_dim <= 128:
@@ -297,7 +296,6 @@ def test_grid_is_sized_from_the_variant_the_call_launches(arch, page_size, leftp
         features_of,
         launch_args,
     )
-    from lean_tp.ops.decode_attention.tuning import config_for
 
     want = KernelFeatures(**FEATURES[feature])
     config = config_for(arch, 128, torch.float16)

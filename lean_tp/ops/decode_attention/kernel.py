@@ -42,8 +42,10 @@ def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl
     # One return: the two branches give different types (tensor vs scalar row); a constexpr if
     # generates only the taken one, but separate returns must agree in type.
     if PAGED:
-        o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + o_n // PAGE_SIZE, mask=m_n, other=0)
-        o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n % PAGE_SIZE, tl.int64)
+        # A shift and a mask, not // and %: PAGE_SIZE is a power of two and positions are never
+        # negative, which the compiler cannot know (signed division costs a rounding fix per key).
+        o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + (o_n >> PAGE_SIZE.bit_length() - 1), mask=m_n, other=0)
+        o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n & (PAGE_SIZE - 1), tl.int64)
     else:
         o_row, o_pos = tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
     return o_row, o_pos
@@ -111,7 +113,7 @@ def _attend(
     b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, b_lo, b_hi, qk_scale, cap_log2,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):  # fmt: skip
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
@@ -129,23 +131,13 @@ def _attend(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if not PAGE_IDS_AHEAD:
-        o_n = n_lo + tl.arange(0, BLOCK_N)
-        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, o_n < n_hi, stride_bt, PAGED, PAGE_SIZE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        # The page lookup is shared by K and V, and with SAME_KV_STRIDES the addresses too.
-        if PAGE_IDS_AHEAD:
-            # Looked up for this block; the pipeliner copies the page ids to shared memory a stage
-            # ahead of the K/V copies they address (launched with DecodeConfig.paged_stages).
-            o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
-        else:
-            # The next block's (row, position), carried to the next iteration so the pipeliner
-            # multi-buffers K/V at num_stages; the compiled loop reads these block-table loads in
-            # the iteration that issues them (docs/kernel_report.md, "Paged addresses").
-            o_row_next, o_pos_next = _kv_index(bt_ptr, b, n_base + o_n + BLOCK_N, o_n + BLOCK_N < n_hi, stride_bt,
-                                               PAGED, PAGE_SIZE)  # fmt: skip
+        # Page ids looked up for this block: the pipeliner copies them to shared memory a stage
+        # ahead of the K/V copies they address (launched with DecodeConfig.paged_stages). The
+        # lookup is shared by K and V, and with SAME_KV_STRIDES the addresses too.
+        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
@@ -165,8 +157,6 @@ def _attend(
         b_v = _upcast(_load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
-        if not PAGE_IDS_AHEAD:
-            o_row, o_pos = o_row_next, o_pos_next
     return b_acc, b_m, b_l
 
 
@@ -287,7 +277,7 @@ def decode_attention_fwd_kernel(
     MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr,
-    E4M3_BITS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    E4M3_BITS: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):  # fmt: skip
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
@@ -296,8 +286,8 @@ def decode_attention_fwd_kernel(
     of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
     turns q.k into the log2-domain score (see ``_attend`` for SOFTCAP); with HAS_SCALES (fp8) it
     is multiplied by the KV head's k_scale and the partial by its v_scale (E4M3_BITS: see
-    ``_upcast``). SAME_KV_STRIDES: use K's strides for V (the launcher found them equal);
-    PAGE_IDS_AHEAD: see ``_attend``. STRIDE_ALIGN divides
+    ``_upcast``). SAME_KV_STRIDES: use K's strides for V (the launcher found them equal).
+    STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     """
@@ -342,7 +332,7 @@ def decode_attention_fwd_kernel(
             b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base + seq_len - span, tile * TILE_N,
             tl.minimum((tile + seg_end - t) * TILE_N, span), b_lo, b_hi, qk_scale * k_scale, cap_log2,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, PAGE_IDS_AHEAD, DOT_PRECISION, TQ > 1, SOFTCAP,
+            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TQ > 1, SOFTCAP,
             E4M3_BITS,
         )  # fmt: skip
         if HAS_SCALES:

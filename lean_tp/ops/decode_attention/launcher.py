@@ -93,7 +93,6 @@ def kernel_constexprs(
         "HAS_SCALES": features.fp8 is not None,
         "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
         "SAME_KV_STRIDES": page_size is not None and config.share_kv_addresses and not features.kv_strides_differ,
-        "PAGE_IDS_AHEAD": page_size is not None and config.paged_stages > 0,
     }
 
 
@@ -140,8 +139,7 @@ def compile_as_launched(args: dict[str, Any], config: DecodeConfig, target: Any)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = {
-        "num_warps": config.num_warps,
-        "num_stages": config.stages(args["PAGED"]),
+        **config.compile_options(args["PAGED"], args["BLOCK_G"]),
         "debug": fn.debug or knobs.runtime.debug,
         "instrumentation_mode": knobs.compilation.instrumentation_mode,
     }
@@ -353,8 +351,7 @@ def decode_attention_fwd(
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
                        softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks,
                        num_sms=num_sms)  # fmt: skip
-    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, num_warps=config.num_warps,
-                                                         num_stages=config.stages(layout.paged))
+    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, **config.compile_options(layout.paged, args["BLOCK_G"]))
     return out, lse
 
 

@@ -36,17 +36,24 @@ class DecodeConfig:
     # key's address is one multiply-add, sharing saved 0-9 SASS per iteration and cost sm_80
     # D=256 and sm_90 D=64 a program per SM (kernel report, compiled as launched).
     share_kv_addresses: bool = True
-    # Paged caches: 0 carries each block's page ids from the previous iteration (registers, loaded
-    # in the iteration whose copies use them); n > 0 looks them up in the loop and compiles with n
-    # stages, so that the pipeliner copies them to shared memory a stage ahead of the K/V copies
-    # that use them (2 K/V buffers need n = 5: with 3 or 4, that loop compiles to one K/V buffer
-    # and wait_group 0).
-    # See _AHEAD.
+    # Paged caches: pipeline stages when set, else num_stages. The kernel looks each block's page
+    # ids up in the K/V loop; the pipeliner copies them to shared memory a stage ahead of the K/V
+    # copies they address, and keeps 2 K/V buffers with 5 stages (with 3 or 4 that loop compiles
+    # to one K/V buffer and wait_group 0). See _AHEAD.
     paged_stages: int = 0
+    # Registers per thread ptxas may use (Triton's ``maxnreg``) for blocks of at most 16 query rows
+    # (decode with GQA groups up to 16), where its own choice costs a program per SM; None leaves
+    # it to ptxas. Larger row blocks hold 2-4x the accumulators and would spill in the K/V loop
+    # under the cap. See _REGS.
+    max_registers: int | None = None
 
-    def stages(self, paged: bool) -> int:
-        """Pipeline stages of a launch: ``paged_stages`` for a paged cache when set."""
-        return self.paged_stages if paged and self.paged_stages else self.num_stages
+    def compile_options(self, paged: bool, block_g: int) -> dict[str, int]:
+        """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
+        pipeline stages (``paged_stages`` for a paged cache when set) and ``maxnreg`` where the
+        entry caps registers."""
+        stages = self.paged_stages if paged and self.paged_stages else self.num_stages
+        options = {"num_warps": self.num_warps, "num_stages": stages}
+        return options | ({"maxnreg": self.max_registers} if self.max_registers and block_g <= 16 else {})
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "block_n", "max_block_g"):
@@ -126,39 +133,52 @@ _NO_SHARE = "; paged V addresses formed apart from K's: sharing them cost a prog
 _FP8_BLOCKS = "; fp8: twice the 16-bit entry's keys per block (issue share, kernel report)"
 # sm_80 D <= 128 with doubled blocks fit 1 program/SM (208-255 registers), not 2.
 _FP8_SM80 = "; fp8: 16-bit blocks kept (doubled ones fit 1 program/SM on A100)"
-# Page ids a stage ahead (paged_stages=5), compiled as launched (kernel report, paged16): at D=128
-# every block-table load leaves the loop's critical path (copied to shared memory a stage before
-# its K/V copies are formed; carried, each of a thread's 8 loads was read in its own iteration)
-# for about the same SASS: sm_90 508 -> 515 (softcap 572 -> 576, window 541 -> 524, tq4 516 -> 497),
-# sm_80 511 -> 484, sm_80 fp8 e4m3 811 -> 804, with 2 K/V buffers and the same programs/SM.
-# Elsewhere it cost more than the latency it hides can be shown to save: sm_90 D=64 453 -> 662,
-# sm_80 D=64 446 -> 561, the sm_90 fp8 entries' long blocks 690 -> 806 (D=128) and 799 -> 916
-# (D=64), and D=256 a program per SM on both archs; those entries carry page ids.
-_AHEAD = "; paged: page ids copied a stage ahead (5 stages), same SASS and programs/SM (kernel report)"
+# Page ids a stage ahead (paged_stages=5) on every 16-bit and fp8 entry: each block-table load
+# leaves the loop's critical path (copied to shared memory a stage before the K/V copies whose
+# addresses it forms; carried in registers, as before, each was read in its own iteration).
+# Compiled as launched (kernel report, paged16, with the page lookup's shift and mask), SASS per
+# iteration carried -> ahead: sm_90 D=128 472 -> 441, sm_80 D=128 444 -> 411, D=256 297 -> 289
+# (sm_90) and 298 -> 290 (sm_80); dearer at D=64: sm_90 429 -> 493, sm_80 437 -> 475, sm_90 fp8
+# 788 -> 838 (issue share 0.33), all still within 1.15x their contiguous loops or the 0.35 share.
+_AHEAD = "; paged: page ids copied a stage ahead (5 stages; kernel report)"
+# Register caps, for blocks of at most 16 query rows (DecodeConfig.max_registers). Left to ptxas,
+# D=256 takes 174-178 registers at 8 warps with page ids ahead (1 program/SM); at 128 every
+# layout and feature keeps 2 programs/SM, none spilling in the K/V loop (sm_90 paged16: 121
+# registers, 293 SASS).
+# sm_90 D=128 paged64, tq4 and window took 222-254 registers (2 programs/SM); at 168 every layout
+# and feature fits 3 with at most 24 bytes of cold spills, none in the K/V loop. sm_90 D=64 keeps
+# ptxas's choice (192-255 registers, 2 programs/SM where carried page ids fit 3): under 168 its
+# paged loop spills.
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
+_FP8 = "fp8: the 16-bit entry"
+_REGS = "; at most 128 registers: 2 programs/SM (kernel report)"
+_REGS90 = "; at most 168 registers: 3 programs/SM for every layout and feature (kernel report)"
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80, 8192),
+    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
+                                  8192, paged_stages=5),
     ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _BN64 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
                                    8192, paged_stages=5),
-    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES80 + _FITS + _WAVE80, 8192),
-    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE,
-                                  8192, share_kv_addresses=False),
-    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90 + _AHEAD,
-                                   8192, paged_stages=5),
-    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90, 8192),
+    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES80 + _FITS + _WAVE80 + _AHEAD + _REGS,
+                                   8192, paged_stages=5, max_registers=128),
+    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE
+                                  + _AHEAD, 8192, share_kv_addresses=False, paged_stages=5),
+    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90 + _AHEAD
+                                   + _REGS90, 8192, paged_stages=5, max_registers=168),
+    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90 + _AHEAD + _REGS,
+                                   8192, paged_stages=5, max_registers=128),
     # fp8 caches, converted to q's 16-bit dtype: the 16-bit entries' tiles, warps and stages, with
     # key blocks doubled where that fits (see _FP8_BLOCKS).
-    ("sm80", 64, 1): DecodeConfig(256, 128, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_SM80 + _FITS + _WAVE80, 8192),
-    ("sm80", 128, 1): DecodeConfig(128, 64, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD,
-                                   8192, paged_stages=5),
-    ("sm80", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE80, 8192),
-    ("sm90", 64, 1): DecodeConfig(256, 256, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
-    ("sm90", 128, 1): DecodeConfig(128, 128, 64, 4, 3, 3, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
-    ("sm90", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, "fp8: the 16-bit entry" + _FP8_BLOCKS + _FITS + _WAVE90, 8192),
+    ("sm80", 64, 1): DecodeConfig(256, 128, 64, 4, 3, 3, _FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
+    ("sm80", 128, 1): DecodeConfig(128, 64, 64, 4, 3, 3, _FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
+    ("sm80", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, _FP8 + _FP8_BLOCKS + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
+    ("sm90", 64, 1): DecodeConfig(256, 256, 64, 4, 3, 3, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192, paged_stages=5),
+    ("sm90", 128, 1): DecodeConfig(128, 128, 64, 4, 3, 3, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192,
+                                   paged_stages=5),
+    ("sm90", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192, paged_stages=5),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
     ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
     ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 3, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
@@ -169,8 +189,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # Interpreter: tile and block sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths and
     # block boundaries mean the same thing.
     ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=64 entry, untimed", 8192),
-    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=128 entry, untimed", 8192,
-                                     paged_stages=1),
+    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=128 entry, untimed", 8192),
     ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the sm90 D=256 entry", 8192),
     ("interp", 64, 1): DecodeConfig(256, 256, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=64 entry", 8192),
     ("interp", 128, 1): DecodeConfig(128, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=128 entry", 8192),
