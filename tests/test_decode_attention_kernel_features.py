@@ -202,6 +202,17 @@ def test_page_lookup_off_the_page_grid(layout):
     check_kernel(inputs, 4, ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("head_dim,tq", [(128, 1), (256, 2)])
+def test_pages_holding_whole_blocks(head_dim, tq):
+    """Pages of BLOCK_N keys or more, blocks on the page grid (no left padding, no window): one
+    page id per block, looked up by the block's first key. D=256 puts two 32-key blocks in each
+    64-key page, the second starting mid-page (a lookup a block off fails here, not at D=128)."""
+    inputs = make_feature_inputs(tile_lens(head_dim) + [700], 8, 2, head_dim, torch.float16, "paged64", tq=tq,
+                                 seed=15)  # fmt: skip
+    assert get_config(torch.device("cpu"), head_dim, torch.float16).block_n <= 64
+    check_kernel(inputs, 4, ATOL[torch.float16])
+
+
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["fp16", "e5m2"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_v_strides_apart_from_k(layout, cache_dtype):

@@ -37,14 +37,20 @@ BF16_DOTS_IN_FP32 = INTERPRETED
 
 
 @triton.jit
-def _kv_index(bt_ptr, b, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(row, position in row) of tokens o_n of sequence b: (b, token) or, when paged, (page, slot)."""
+def _kv_index(bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              BLOCK_IN_PAGE: tl.constexpr):
+    """(row, position in row) of tokens o_n (n_first first) of sequence b: (b, token) or, when
+    paged, (page, slot). BLOCK_IN_PAGE: the caller knows they lie in one page."""
     # One return: the two branches give different types (tensor vs scalar row); a constexpr if
     # generates only the taken one, but separate returns must agree in type.
     if PAGED:
         # A shift and a mask, not // and %: PAGE_SIZE is a power of two and positions are never
         # negative, which the compiler cannot know (signed division costs a rounding fix per key).
-        o_page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + (o_n >> PAGE_SIZE.bit_length() - 1), mask=m_n, other=0)
+        bt_row = bt_ptr + tl.cast(b, tl.int64) * stride_bt
+        if BLOCK_IN_PAGE:  # one page id for the block: the row's address is one scalar
+            o_page = tl.load(bt_row + (n_first >> PAGE_SIZE.bit_length() - 1))
+        else:
+            o_page = tl.load(bt_row + (o_n >> PAGE_SIZE.bit_length() - 1), mask=m_n, other=0)
         o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n & (PAGE_SIZE - 1), tl.int64)
     else:
         o_row, o_pos = tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
@@ -114,7 +120,7 @@ def _attend(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
+    ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
 ):  # fmt: skip
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
@@ -134,10 +140,11 @@ def _attend(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_hi
-        # Page ids looked up for this block: the pipeliner copies them to shared memory a stage
-        # ahead of the K/V copies they address (launched with DecodeConfig.paged_stages). The
-        # lookup is shared by K and V, and with SAME_KV_STRIDES the addresses too.
-        o_row, o_pos = _kv_index(bt_ptr, b, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE)
+        # Page ids looked up for this block (one per key, or one for the block with BLOCK_IN_PAGE):
+        # the pipeliner requests them a stage ahead of the K/V copies they address (launched with
+        # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
+        # addresses too.
+        o_row, o_pos = _kv_index(bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
         p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
         p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
         b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
@@ -302,6 +309,9 @@ def decode_attention_fwd_kernel(
     stride_vh = stride_vh // STRIDE_ALIGN * STRIDE_ALIGN
     if SAME_KV_STRIDES:  # then K's offsets are V's: each key's address is formed once, not twice
         stride_vb, stride_vn, stride_vh = stride_kb, stride_kn, stride_kh
+    # Blocks start at multiples of BLOCK_N (tile_n is one; without left padding or a window the keys
+    # start at position 0), so pages of BLOCK_N keys or more hold whole blocks: one page id a block.
+    BLOCK_IN_PAGE: tl.constexpr = PAGED and PAGE_SIZE >= BLOCK_N and not HAS_LEFTPAD and not HAS_WINDOW
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
@@ -333,7 +343,7 @@ def decode_attention_fwd_kernel(
             tl.minimum((tile + seg_end - t) * TILE_N, span), b_lo, b_hi, qk_scale * k_scale, cap_log2,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
             HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TQ > 1, SOFTCAP,
-            E4M3_BITS,
+            E4M3_BITS, BLOCK_IN_PAGE,
         )  # fmt: skip
         if HAS_SCALES:
             v_scale = tl.load(v_scale_ptr + h_kv * stride_vs)
