@@ -102,6 +102,19 @@ def test_page_ids_are_read_ahead(stats):
     assert ahead >= 30, ahead
 
 
+def test_register_caps_apply_on_the_triton_they_were_read_on(monkeypatch):
+    """``maxnreg`` for blocks of up to 16 query rows, from triton 3.7 on: triton 3.6 spills in the
+    K/V loop under the caps (tuning.REGISTER_CAPS_SINCE), so there ptxas chooses."""
+    from lean_tp.ops.decode_attention import tuning
+
+    config = TUNING_TABLE[("sm90", 128, 2)]
+    monkeypatch.setattr(tuning.triton, "__version__", "3.7.1")
+    assert config.compile_options(True, 16) == {"num_warps": 4, "num_stages": 5, "maxnreg": 168}
+    assert config.compile_options(False, 32) == {"num_warps": 4, "num_stages": 3}
+    monkeypatch.setattr(tuning.triton, "__version__", "3.6.0")
+    assert config.compile_options(True, 16) == {"num_warps": 4, "num_stages": 5}
+
+
 def test_page_id_timing_reads_registers_through_the_loop():
     """A load read before the loop's end counts as read in its iteration; one only overwritten, or
     read after the back-edge (the next pass), does not; a 64-bit pair covers both registers."""

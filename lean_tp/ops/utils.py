@@ -40,7 +40,8 @@ def map_in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], desc: str, u
         return [f.result() for f in futures]
 
 
-def _major_minor(version: str) -> tuple[int, int]:
+def major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``"3.7.1"`` or ``"2.13.0+cpu"``."""
     major, minor = version.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
@@ -51,7 +52,7 @@ def check_interpreter_numpy(triton_version: str, numpy_version: str) -> None:
     triton < 3.7's interpreter turns a runtime loop bound (a 1-element array) into an int with
     ``int(array)``, which numpy >= 2.4 rejects deep inside the first launch; triton 3.7 fixed it.
     """
-    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         raise ImportError(
             f"TRITON_INTERPRET=1 with triton {triton_version}: expected numpy < 2.4, got numpy {numpy_version}; "
             "install 'numpy<2.4' or triton >= 3.7"

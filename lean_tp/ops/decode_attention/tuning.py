@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
+
+from lean_tp.ops.utils import major_minor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +53,11 @@ class DecodeConfig:
     def compile_options(self, paged: bool, block_g: int) -> dict[str, int]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
         pipeline stages (``paged_stages`` for a paged cache when set) and ``maxnreg`` where the
-        entry caps registers."""
+        entry caps registers and the installed Triton is one the caps were read on."""
         stages = self.paged_stages if paged and self.paged_stages else self.num_stages
         options = {"num_warps": self.num_warps, "num_stages": stages}
-        return options | ({"maxnreg": self.max_registers} if self.max_registers and block_g <= 16 else {})
+        capped = self.max_registers and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
+        return options | ({"maxnreg": self.max_registers} if capped else {})
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "block_n", "max_block_g"):
@@ -149,6 +153,11 @@ _AHEAD = "; paged: page ids copied a stage ahead (5 stages; kernel report)"
 # and feature fits 3 with at most 24 bytes of cold spills, none in the K/V loop. sm_90 D=64 keeps
 # ptxas's choice (192-255 registers, 2 programs/SM where carried page ids fit 3): under 168 its
 # paged loop spills.
+# The caps were read on triton 3.7.1. triton 3.6 (the oldest pin, and the GPU machine's) takes
+# 227-254 registers for the same kernels uncapped, and under the caps spills in the K/V loop
+# (D=256: 12-16 local loads/stores per iteration, every layout, both archs; sm_90 D=128 paged: 2-5),
+# so with it they are not applied: D=256 1 program/SM, sm_90 D=128 2, no spills.
+REGISTER_CAPS_SINCE = (3, 7)
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
