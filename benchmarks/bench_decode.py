@@ -55,14 +55,15 @@ class Shape:
     hq: int
     hkv: int
     d: int = 128
-    layout: str = "contiguous"  # the cache layout every peer is given
+    layout: str = "contiguous"  # the cache layout every peer is given: "contiguous" or "paged<page size>"
     kv: str = "same"  # "same": the cache in the run's dtype; "fp8": float8_e4m3fn with scales
     window: int | None = None  # sliding window, in keys
 
     @property
     def features(self) -> frozenset[str]:
         """What a peer must take to run this shape (``Peer.features``)."""
-        return frozenset({"fp8"} if self.kv == "fp8" else set()) | frozenset({"window"} if self.window else set())
+        wanted = {"fp8": self.kv == "fp8", "window": bool(self.window), "paged": self.layout != "contiguous"}
+        return frozenset(name for name, on in wanted.items() if on)
 
 
 def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
@@ -76,7 +77,7 @@ def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
 # Triton call takes a few tenths of a second.
 DRY_REPS = 3
 # Every sweep's name, as --sweeps takes it and the shapes' ``sweep`` field holds it.
-SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window")
+SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window", "layouts")
 
 
 def sweeps(quick: bool, dry: bool) -> list[Shape]:
@@ -86,6 +87,7 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
             Shape("gqa", "4", (150,) * 2, 8, 2, 64),
             Shape("kv", "fp8", (150,) * 2, 8, 2, 64, kv="fp8"),
             Shape("window", "32", (300,) * 2, 8, 2, 64, window=32),
+            Shape("layouts", "paged16", (150,) * 2, 8, 2, 64, layout="paged16"),
         ]
     pick = (lambda full, few: few) if quick else (lambda full, few: full)
     contexts = pick([1 << k for k in range(10, 20)], [1024, 8192, 32768, 131072])  # 1k-512k
@@ -101,18 +103,30 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
     shapes += [Shape("kv", kv, (32768,) * 8, 32, 8, kv=kv) for kv in ("same", "fp8")]
     shapes += [Shape("window", str(w), (131072,) * 4, 32, 8, window=w)
                for w in pick([None, 32768, 4096, 1024], [None, 4096])]  # fmt: skip
+    # The load paths: contiguous and 16-token pages, 16-bit and fp8, against FlashInfer's paged
+    # decode (Llama-3-8B heads; 8k-128k keys, B in {1, 8, 64}).
+    shapes += [Shape("layouts", f"{layout} {kv} B={b} {n >> 10}k", (n,) * b, 32, 8, layout=layout, kv=kv)
+               for layout in ("contiguous", "paged16") for kv in ("same", "fp8")
+               for b in pick([1, 8, 64], [1, 64]) for n in pick([8192, 32768, 131072], [32768])]  # fmt: skip
     return shapes
 
 
 def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     b, cap = len(shape.lens), max(shape.lens)
     cache_dtype = torch.float8_e4m3fn if shape.kv == "fp8" else dtype
+    if shape.layout == "contiguous":
+        kv_shape = (b, shape.hkv, cap, shape.d)
+    else:  # pages in random order, as a serving engine's allocator leaves them
+        page = int(shape.layout.removeprefix("paged"))
+        kv_shape = (b * -(-cap // page), page, shape.hkv, shape.d)
     s = dict(
         q=torch.randn(b, shape.hq, shape.d, device=device, dtype=dtype),
-        k_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype).to(cache_dtype),
-        v_cache=torch.randn(b, shape.hkv, cap, shape.d, device=device, dtype=dtype).to(cache_dtype),
+        k_cache=torch.randn(kv_shape, device=device, dtype=dtype).to(cache_dtype),
+        v_cache=torch.randn(kv_shape, device=device, dtype=dtype).to(cache_dtype),
         cache_seqlens=torch.tensor(shape.lens, dtype=torch.int32, device=device),
     )
+    if shape.layout != "contiguous":
+        s["block_table"] = torch.randperm(kv_shape[0], device=device, dtype=torch.int32).view(b, -1)
     if shape.kv == "fp8":
         s["k_scale"] = s["v_scale"] = torch.ones(1, device=device)
     if shape.window:

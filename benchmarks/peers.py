@@ -1,7 +1,8 @@
 """The decode-attention implementations the benchmark compares, behind one interface.
 
 Every peer takes the same input set: q (B, Hq, D), k_cache/v_cache (B, Hkv, S_max, D) and
-cache_seqlens (B,) int32. ``prepare(inputs)`` does whatever the peer needs once per input set and
+cache_seqlens (B,) int32; for a paged shape, k_cache/v_cache (num_pages, page_size, Hkv, D) and
+block_table (B, pages per sequence) int32, pages in random order. ``prepare(inputs)`` does whatever the peer needs once per input set and
 outside the timed region (a layout copy, a block mask, FlashInfer's host-side ``plan``) and
 returns a zero-argument callable that computes out (B, Hq, D). A peer whose package is missing
 reports why and is skipped, never failing the run.
@@ -29,7 +30,7 @@ class Peer:
     needs: str | None = None  # importable module the peer requires
     cuda_only: bool = False
     triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
-    features: frozenset[str] = frozenset()  # of "fp8", "window" (``Shape.features``): wired up here for this peer
+    features: frozenset[str] = frozenset()  # of "fp8", "window", "paged" (``Shape.features``): wired up here for this peer
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -118,11 +119,11 @@ def _varlen(s: Inputs):
 FLASHINFER_PAGE = 16
 
 
-def _flashinfer(s: Inputs):
-    """FlashInfer's batch decode over a paged (HND) copy of the cache; ``plan`` runs here, untimed."""
-    import flashinfer
-
-    q, lens = s["q"], s["cache_seqlens"]
+def _flashinfer_pages(s: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """(k pages, v pages, block table (B, pages per sequence), FlashInfer layout name): a paged
+    input set's own pages (NHD), or a paged HND copy of a contiguous cache."""
+    if "block_table" in s:
+        return s["k_cache"], s["v_cache"], s["block_table"], "NHD"
     batch, hkv, cap, d = s["k_cache"].shape
     pages = -(-cap // FLASHINFER_PAGE)
 
@@ -130,26 +131,37 @@ def _flashinfer(s: Inputs):
         pad = torch.nn.functional.pad(cache, (0, 0, 0, pages * FLASHINFER_PAGE - cap))
         return pad.view(batch, hkv, pages, FLASHINFER_PAGE, d).permute(0, 2, 1, 3, 4).reshape(-1, hkv, FLASHINFER_PAGE, d).contiguous()
 
-    k, v = paged(s["k_cache"]), paged(s["v_cache"])
-    used = (lens + FLASHINFER_PAGE - 1) // FLASHINFER_PAGE
+    table = torch.arange(batch * pages, device=s["q"].device, dtype=torch.int32).view(batch, pages)
+    return paged(s["k_cache"]), paged(s["v_cache"]), table, "HND"
+
+
+def _flashinfer(s: Inputs):
+    """FlashInfer's batch decode over the paged input set's pages, or over a paged (HND) copy of a
+    contiguous cache; ``plan`` runs here, untimed."""
+    import flashinfer
+
+    q, lens = s["q"], s["cache_seqlens"]
+    k, v, table, layout = _flashinfer_pages(s)
+    page, hkv, d = (k.shape[1], k.shape[2], k.shape[3]) if layout == "NHD" else (k.shape[2], k.shape[1], k.shape[3])
+    used = (lens + page - 1) // page
     indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()
-    indices = torch.cat([torch.arange(int(n), device=q.device) + b * pages for b, n in enumerate(used.tolist())]).int()
-    last = (lens - (used - 1) * FLASHINFER_PAGE).int()
+    indices = torch.cat([table[b, : int(n)] for b, n in enumerate(used.tolist())]).int()
+    last = (lens - (used - 1) * page).int()
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
-    wrapper.plan(indptr, indices, last, q.shape[1], hkv, d, FLASHINFER_PAGE, q_data_type=q.dtype, kv_data_type=k.dtype)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
+    wrapper.plan(indptr, indices, last, q.shape[1], hkv, d, page, q_data_type=q.dtype, kv_data_type=k.dtype)
     return lambda: wrapper.run(q, (k, v))
 
 
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window"})),
+        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged"})),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
         Peer("varlen", _varlen, needs="torch.nn.attention.varlen", cuda_only=True),
         Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),
-        Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True),
+        Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True, features=frozenset({"paged"})),
     )
 }

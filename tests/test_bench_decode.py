@@ -137,3 +137,36 @@ def test_varlen_peer_arguments_mean_decode_attention(monkeypatch, torch_has_sequ
     assert ("seqused_k" in args) == torch_has_seqused_k and args["key"].shape[1] == (2 if torch_has_seqused_k else 8)
     ref, _ = decode_attention_ref(**s)
     torch.testing.assert_close(_varlen_ref(**args), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_shape_runs_lean_on_shuffled_pages_and_skips_unwired_peers():
+    """A paged16 shape's input set is lean's paged layout, pages in random order; lean over it
+    matches the float64 reference, and peers without paged inputs wired are reported, not run."""
+    shape = bench_decode.Shape("layouts", "paged16", (150, 37), 8, 2, 64, layout="paged16")
+    s = bench_decode.make_set(shape, torch.float32, torch.device("cpu"))
+    assert s["k_cache"].shape == (2 * 10, 16, 2, 64) and s["block_table"].shape == (2, 10)
+    assert sorted(s["block_table"].flatten().tolist()) == list(range(20))
+    out = PEERS["lean"].prepare(s)()
+    ref, _ = decode_attention_ref(**s)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=0)
+    timer = bench_decode.Timer(torch.device("cpu"), 1)
+    row = bench_decode.bench_shape(shape, torch.float32, torch.device("cpu"), ["lean", "sdpa"], timer, 1e10, 0)
+    assert row["lean_us"] > 0 and row["layout"] == "paged16" and "sdpa: not benchmarked with paged" in row["notes"]
+
+
+def test_flashinfer_pages_hold_each_sequences_keys_in_table_order():
+    """What the FlashInfer peer plans over: a paged input set's own pages and table (NHD), or an HND
+    copy of a contiguous cache where page p of sequence b, table[b, p], holds keys 16 p .. 16 p + 15."""
+    from peers import _flashinfer_pages
+
+    paged = bench_decode.make_set(bench_decode.Shape("layouts", "p", (40, 33), 4, 2, 64, layout="paged16"),
+                                  torch.float32, torch.device("cpu"))  # fmt: skip
+    k, v, table, kv_layout = _flashinfer_pages(paged)
+    assert (k, v, table, kv_layout) == (paged["k_cache"], paged["v_cache"], paged["block_table"], "NHD")
+    shape = bench_decode.Shape("layouts", "c", (40, 33), 4, 2, 64)
+    s = bench_decode.make_set(shape, torch.float32, torch.device("cpu"))
+    k, _, table, kv_layout = _flashinfer_pages(s)
+    assert kv_layout == "HND" and k.shape == (2 * 3, 2, 16, 64)
+    for b, n in enumerate(shape.lens):
+        keys = torch.cat([k[table[b, p]] for p in range(-(-n // 16))], dim=1)[:, :n]  # (Hkv, n, D)
+        torch.testing.assert_close(keys, s["k_cache"][b, :, :n], atol=0, rtol=0)
