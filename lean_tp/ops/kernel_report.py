@@ -260,9 +260,10 @@ def _kv_load_bytes(ptx: str) -> tuple[int, int]:
     return width, width
 
 
-def _kv_buffers(ttgir: str, block_n: int, block_d: int) -> int:
-    """K/V tiles per operand that the pipeliner allocates ((buffers, BLOCK_N, BLOCK_D) shared
-    allocations), 1 when it allocates none (the tile is staged once, in the loop)."""
+def _kv_buffers(ttgir: str, block_n: int) -> int:
+    """K/V tiles per operand that the pipeliner allocates ((buffers, BLOCK_N, columns) shared
+    allocations: BLOCK_D columns, a quarter of them for fp8 read as int32 words), 1 when it
+    allocates none (the tile is staged once, in the loop)."""
     shapes = re.findall(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x\d+x", ttgir)
     return max((int(n) for n in shapes), default=1)
 
@@ -297,7 +298,7 @@ def compile_stats(arch: str, head_dim: int, dtype: str, layout: str, group: int 
     return KernelStats(
         arch, head_dim, dtype, layout, group, leftpad, features, config.block_n, config.num_warps, regs, stack, shared,
         programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
-        *_kv_load_bytes(kernel.asm["ptx"]), _kv_buffers(kernel.asm["ttgir"], config.block_n, args["BLOCK_D"]),
+        *_kv_load_bytes(kernel.asm["ptx"]), _kv_buffers(kernel.asm["ttgir"], config.block_n),
         max(waits, default=0),
         *kv_loop_of_sass(sass), args["WAVE"], *merge_loop_of_sass(sass), *page_id_timing(sass),
     )  # fmt: skip
