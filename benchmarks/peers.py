@@ -2,9 +2,10 @@
 
 Every peer takes the same input set: q (B, Hq, D), k_cache/v_cache (B, Hkv, S_max, D) and
 cache_seqlens (B,) int32; for a paged shape, k_cache/v_cache (num_pages, page_size, Hkv, D) and
-block_table (B, pages per sequence) int32, pages in random order. ``prepare(inputs)`` does whatever the peer needs once per input set and
-outside the timed region (a layout copy, a block mask, FlashInfer's host-side ``plan``) and
-returns a zero-argument callable that computes out (B, Hq, D). A peer whose package is missing
+block_table (B, pages per sequence) int32, pages in random order. ``prepare(inputs)`` does
+whatever the peer needs once per input set and outside the timed region (a layout copy, a block
+mask, FlashInfer's host-side ``plan``) and returns a zero-argument callable that computes out
+(B, Hq, D). A peer whose package is missing
 reports why and is skipped, never failing the run.
 """
 
