@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> cli.argparse.Namespace:
     # K, V and the float64 reference's copies of them
     need, have = 2 * args.batch * args.kv_heads * args.max_len * args.head_dim * (args.dtype.itemsize + 8), cli.memory_bytes(args.device)
     if need > have // 2:
-        p.fail("--max-len", f"a cache that fits in half of {args.device} memory ({have / 2**30:.0f} GiB)",
+        p.fail("--max-len", f"a cache that fits in half of the {args.device} memory (half of {have / 2**30:.0f} GiB)",
                f"{need / 2**30:.1f} GiB for --batch {args.batch} x --kv-heads {args.kv_heads} x --max-len {args.max_len}")
     return args
 

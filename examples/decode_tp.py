@@ -101,9 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.fail("--checkpoint", f"a supported model ({exc})", args.checkpoint)
     check_positions(p, args.prompt_lens, args.gen, config.max_seq_len, args.checkpoint or args.model)
     try:
-        world_size = torchrun_env()[1]
+        _, world_size, _, local_world = torchrun_env()
     except ValueError as exc:  # a launcher's environment, not a flag
         p.error(str(exc))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.fail("--device", "cpu on a machine without CUDA (or no --device)", args.device)
     if any(world_size % cp for cp in args.cp):
         p.fail("--cp", f"divisors of the world size {world_size}", ",".join(map(str, args.cp)))
     if max(args.cp) > 1 and args.attention != "lean":
@@ -113,7 +115,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             check_shardable(config, world_size, cp)
     except ValueError as exc:
         p.error(f"argument {'--checkpoint' if args.checkpoint else '--model'}: {exc}")
+    check_memory(p, args, config, world_size, local_world)
     return args
+
+
+# Share of a device's memory the weights and KV caches may take: the rest is activations, the
+# framework's own buffers and, on CPU, everything else the machine runs.
+MEMORY_SHARE = 0.85
+
+
+def rank_bytes(config: ModelArgs, world: int, cp: int, batch: int, capacity: int, dtype_bytes: int, kv_bytes: int) -> int:
+    """Weights and KV cache of one rank (TP = world / cp): attention projections sharded by heads
+    over TP (KV heads replicated where TP exceeds them), the MLP over every rank, embedding and LM
+    head replicated; each KV head's sequence split over cp ranks."""
+    tp, hd = world // cp, config.head_dim
+    kv_heads = max(config.n_kv_heads // tp, 1)
+    attn = config.dim * hd * (2 * config.n_heads // tp + 2 * kv_heads)
+    mlp = 3 * config.dim * config.intermediate_size // world
+    embed = config.vocab_size * config.dim * (1 if config.tie_word_embeddings else 2)
+    kv = 2 * config.n_layers * batch * kv_heads * -(-capacity // cp) * hd * kv_bytes
+    return (config.n_layers * (attn + mlp) + embed) * dtype_bytes + kv
+
+
+def check_memory(p: cli.ArgumentParser, args: argparse.Namespace, config: ModelArgs, world: int, local_world: int) -> None:
+    """Refuse, before any rank builds anything, a run whose weights and KV caches exceed the
+    device's memory: a GPU's per rank, or the host's for all the ranks that share it on CPU (and,
+    with --check, one more unsharded copy on rank 0's device)."""
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
+    kv_bytes = 1 if args.kv_dtype == "fp8" else dtype.itemsize
+    batch, capacity = len(args.prompt_lens), max(args.prompt_lens) + args.gen
+    sharers = local_world if dev == "cpu" else 1
+    need = max(sharers * rank_bytes(config, world, cp, batch, capacity, dtype.itemsize, kv_bytes) for cp in args.cp)
+    if args.check:
+        need += rank_bytes(config, 1, 1, batch, capacity, dtype.itemsize, dtype.itemsize)
+    have = cli.memory_bytes(dev)
+    if need > MEMORY_SHARE * have:
+        where = f"{sharers} rank{'s' if sharers > 1 else ''} on {dev}" + (" and --check's unsharded copy" if args.check else "")
+        p.fail("--checkpoint" if args.checkpoint else "--model",
+               f"weights and KV caches within {MEMORY_SHARE:.0%} of the {dev} memory ({have / 2**30:.1f} GiB)",
+               f"{args.checkpoint or args.model}: {need / 2**30:.1f} GiB for {where}")  # fmt: skip
 
 
 def model_config(args: argparse.Namespace) -> ModelArgs:

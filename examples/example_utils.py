@@ -30,8 +30,11 @@ def hf_checkpoint(text: str) -> str:
     import argparse
     import os
 
-    if not os.path.isfile(os.path.join(text, "config.json")):
-        raise argparse.ArgumentTypeError(f"expected a Hugging Face model directory with a config.json, got {text!r}")
+    has = lambda f: os.path.isfile(os.path.join(text, f))  # noqa: E731
+    if not has("config.json") or not any(f.endswith(".safetensors") for f in os.listdir(text)):
+        raise argparse.ArgumentTypeError(
+            f"expected a Hugging Face model directory with a config.json and *.safetensors weights, got {text!r}"
+        )
     return text
 
 

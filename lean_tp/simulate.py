@@ -171,7 +171,12 @@ class Schedule:
 
     @property
     def efficiency(self) -> float:
-        return sum(self.sm_work) / (len(self.sm_work) * self.makespan) if self.makespan else 1.0
+        """Load balance over the SMs that stream K/V: their mean work over the busiest one's (1.0:
+        all finish together). SMs a method leaves idle on purpose (lean's grid shrinks for short
+        contexts, since SMs streaming together share the bandwidth) do not count against it; the
+        modelled time is what compares methods."""
+        busy = [w for w in self.sm_work if w]
+        return sum(busy) / (len(busy) * self.makespan) if busy else 1.0
 
 
 def fa2_num_splits(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
@@ -287,7 +292,8 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
             finish += gpu.l2_latency_us + _merge_level_us(len(groups), cx["WAVE"], partial, gpu)
         end = max(end, finish)
         chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
-    return Schedule("lean", sms, len(programs), len(plan), work, end, end - kv_end, chain, chain * partial, bars)
+    return Schedule("lean", sms, units=len(programs), splits=len(plan), sm_work=work, time_us=end, merge_us=end - kv_end,
+                    chain=chain, merge_bytes=chain * partial, bars=bars)  # fmt: skip
 
 
 def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: int, block_n: int,
@@ -315,10 +321,11 @@ def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: i
     bytes_per_token = problem.bytes_per_token
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
-    if splits > 1:
+    if splits > 1 and any(work):  # no CTA wrote a partial: nothing to combine
         partials = len(problem.lens) * problem.n_heads * splits * (problem.head_dim + 1) * 4
         combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + partials / (sms * gpu.l2_port_gbps * 1e3)
-    return Schedule(method, sms, sum(ctas), splits, work, kernel + combine, combine, 0, bars)
+    return Schedule(method, sms, units=sum(ctas), splits=splits, sm_work=work, time_us=kernel + combine,
+                    merge_us=combine, bars=bars)  # fmt: skip
 
 
 def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
@@ -341,7 +348,8 @@ def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict
         row |= {f"{method}_us": sched.time_us, f"{method}_merge_us": sched.merge_us,
                 f"{method}_eff": sched.efficiency, f"{method}_splits": sched.splits}  # fmt: skip
         if method != "lean":
-            row[f"speedup_vs_{method}"] = sched.time_us / lean.time_us if lean.time_us else 1.0
+            # None where lean has nothing to do (every length 0): no ratio to report.
+            row[f"speedup_vs_{method}"] = sched.time_us / lean.time_us if lean.time_us else None
     return row
 
 
@@ -376,9 +384,13 @@ def format_table(rows: list[dict]) -> str:
             f"| {r['gpu']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_chain']} "
             f"| {r['lean_merge_kb']:.0f} "
             f"| {r['lean_programs']} | {r['lean_bw']:.2f} | {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} "
-            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {r['speedup_vs_fa2']:.2f}x | {r['speedup_vs_flex']:.2f}x |"
+            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {_ratio(r['speedup_vs_fa2'])} | {_ratio(r['speedup_vs_flex'])} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], path: str) -> None:
@@ -398,7 +410,9 @@ def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], pat
             ax.barh(sm, tokens, left=start, height=0.9, color=cmap(output % 20), edgecolor="white", linewidth=0.3)
         ax.axvline(sched.makespan, color="red", linewidth=1.5, label="finish (makespan)")
         title = "LeanAttention (stream-K)" if name == "lean" else f"FlashDecoding / FA2 fixed split ({sched.splits} splits)"
-        ax.set_title(f"{title}\nefficiency {sched.efficiency:.2f}, modelled {sched.time_us:.1f} us")
+        busy = sum(1 for w in sched.sm_work if w)
+        ax.set_title(f"{title}\nload balance {sched.efficiency:.2f} over the {busy} SMs with work, "
+                     f"modelled {sched.time_us:.1f} us")  # fmt: skip
         ax.set_xlim(0, horizon * 1.02)
         ax.set_xlabel("K/V tokens read per SM")
     axes[0].set_ylabel(f"SM ({gpu.name}, {gpu.sms} SMs)")
@@ -412,36 +426,42 @@ def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], pat
 
 
 def plot_sweep(rows: list[dict], path: str) -> None:
-    """Modelled FA2 time over lean time against context, one line per (preset shape, batch), per GPU."""
+    """Modelled FA2 time over lean time against context: one panel per (GPU, preset model), one
+    line per batch size, each in its own colour and marker."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpus = sorted({r["gpu"] for r in rows})
-    fig, axes = plt.subplots(1, len(gpus), figsize=(7 * len(gpus), 4.5), sharey=True, squeeze=False)
-    for ax, gpu in zip(axes[0], gpus):
-        lines: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["gpu"] == gpu:
-                label = f"{r['model']} B={r['batch']}"
-                lines.setdefault(label, []).append((r["context"], r["speedup_vs_fa2"]))
-        for label, points in sorted(lines.items()):
-            ax.plot(*zip(*sorted(points)), marker="o", markersize=3, label=label)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_title(f"{gpu}: one rank of TP={rows[0]['tp']}, modelled, merges counted")
-    axes[0][0].set_ylabel("FA2 (FlashDecoding) time / lean time")
-    axes[0][-1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    gpus, models = sorted({r["gpu"] for r in rows}), sorted({r["model"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(gpus), len(models), figsize=(3.6 * len(models), 3.2 * len(gpus)), sharex=True,
+                             sharey=True, squeeze=False)  # fmt: skip
+    for i, gpu in enumerate(gpus):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            for k, batch in enumerate(batches):
+                points = sorted((r["context"], r["speedup_vs_fa2"]) for r in rows
+                                if (r["gpu"], r["model"], r["batch"]) == (gpu, model, batch))  # fmt: skip
+                if points:
+                    ax.plot(*zip(*points), color=f"C{k}", marker="os^Dv"[k % 5], markersize=3, label=f"B={batch}")
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{gpu}, {model}", fontsize=9)
+            if i == len(gpus) - 1:
+                ax.set_xlabel("context (tokens)")
+        axes[i][0].set_ylabel("FA2 time / lean time")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center right", fontsize=8, title="batch")
+    fig.suptitle(f"One rank of TP={rows[0]['tp']}: FlashDecoding (FA2) over lean, modelled, merges counted (> 1: lean faster)")
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_cp_sweep(rows: list[dict], path: str, model: str = "llama-3-70b") -> None:
     """KV memory and modelled attention time per rank against context for ``model`` on the first
-    GPU's rows: one colour per layout, solid for batch 1 and dashed for the largest batch."""
+    GPU's rows: one row of panels per batch size (the smallest and the largest), one colour,
+    marker and line style per layout, so that layouts with equal values stay visible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -449,21 +469,30 @@ def plot_cp_sweep(rows: list[dict], path: str, model: str = "llama-3-70b") -> No
 
     gpu = rows[0]["gpu"]
     mine = [r for r in rows if r["gpu"] == gpu and r["model"] == model]
-    batches = (min(r["batch"] for r in mine), max(r["batch"] for r in mine))
+    batches = sorted({min(r["batch"] for r in mine), max(r["batch"] for r in mine)})
     layouts = sorted({(r["gpus"], r["tp"], r["cp"]) for r in mine})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for key, ax, label in (("kv_gb_per_rank", axes[0], "KV cache per rank (GB, all layers)"),
-                           ("attention_us", axes[1], "attention per layer per rank (us, modelled)")):  # fmt: skip
-        for i, (gpus, tp, cp) in enumerate(layouts):
-            for batch, style in zip(batches, ("-", "--")):
+    fig, axes = plt.subplots(len(batches), 2, figsize=(13, 4 * len(batches)), sharex=True, squeeze=False)
+    panels = (("kv_gb_per_rank", "KV cache per rank (GB, all layers)"), ("attention_us", "attention per layer per rank (us)"))
+    for row, batch in zip(axes, batches):
+        for ax, (key, label) in zip(row, panels):
+            drawn: list[tuple[str, list]] = []
+            for i, (gpus, tp, cp) in enumerate(layouts):
                 points = sorted((r["context"], r[key]) for r in mine if (r["gpus"], r["tp"], r["cp"], r["batch"]) == (gpus, tp, cp, batch))
-                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", markersize=3,
-                        label=f"{gpus} GPUs, TP {tp} x CP {cp}, B={batch}")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+                name = f"{gpus} GPUs, TP {tp} x CP {cp}"
+                # A layout whose values equal an earlier one's lies under it: the legend says so.
+                same = [n for n, pts in drawn if all(math.isclose(a[1], b[1], rel_tol=0.01) for a, b in zip(pts, points))]
+                drawn.append((name, points))
+                # Drawn wide to narrow, hollow markers: a layout under another still shows its edge.
+                ax.plot(*zip(*points), ("-", "--", ":", "-.")[i % 4], color=f"C{i}", marker="osD^v<>"[i % 7],
+                        markersize=7 - i, markerfacecolor="none", linewidth=2.5 - 0.3 * i,
+                        label=name + (f" (= {same[0].split(', ')[1]})" if same else ""))  # fmt: skip
+            ax.legend(fontsize=7)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_ylabel(label)
+            ax.set_title(f"B={batch}", fontsize=9)
+    for ax in axes[-1]:
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(label)
-    axes[1].legend(fontsize=7)
     fig.suptitle(f"{model} on {gpu}: one rank, TP alone against TP x CP (CP exchange counted, modelled)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -588,16 +617,16 @@ def _ensure_schedule_backend(argv: list[str]) -> None:
 def _parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m lean_tp.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", nargs="+", default=list(GPUS), type=cli.choice(*GPUS), help="GPUs to model (A100 H100)")
-    p.add_argument("--batch", type=cli.integer(1, MAX_BATCH), default=4, help="sequences, when --lens is one length")
-    p.add_argument("--heads", type=cli.integer(1, MAX_HEADS), default=32, help="query heads (with --tp: of the whole model)")
-    p.add_argument("--kv-heads", type=cli.integer(1, MAX_HEADS), default=8, help="KV heads (with --tp: of the whole model)")
+    # The one-problem flags default to None, so that a sweep can tell that one was given (and refuse it).
+    p.add_argument("--batch", type=cli.integer(1, MAX_BATCH), help="sequences, when --lens is one length (4)")
+    p.add_argument("--heads", type=cli.integer(1, MAX_HEADS), help="query heads (with --tp: of the whole model) (32)")
+    p.add_argument("--kv-heads", type=cli.integer(1, MAX_HEADS), help="KV heads (with --tp: of the whole model) (8)")
     p.add_argument("--model", type=cli.choice(*MODEL_PRESETS), help="head counts and head_dim of a preset model")
     p.add_argument("--tp", type=cli.integer(1, MAX_HEADS), help="tensor-parallel size: simulate one rank's heads (1; 8 with --tp-sweep)")
-    p.add_argument("--lens", type=cli.integer_list(0, MAX_LEN), default="16384",
-                   help="one length for every sequence, or a comma list (ragged)")
-    p.add_argument("--capacity", type=cli.integer(0, MAX_LEN), default=0,
-                   help="KV cache capacity fixed-split kernels size splits from")
-    p.add_argument("--head-dim", type=cli.integer(1, 1024), default=128)
+    p.add_argument("--lens", type=cli.integer_list(0, MAX_LEN), help="one length for every sequence, or a comma list (ragged) (16384)")
+    p.add_argument("--capacity", type=cli.integer(0, MAX_LEN),
+                   help="KV cache capacity fixed-split kernels size splits from (0: the longest length)")
+    p.add_argument("--head-dim", type=cli.integer(1, 1024), help="(128)")
     p.add_argument("--programs-per-sm", type=cli.integer(1, 64), help="lean grid = SMs x this (default: the tuning table's cap)")
     p.add_argument("--paper", action="store_true", help="the paper's shapes instead of one problem")
     p.add_argument("--tp-sweep", action="store_true", help="every preset at --tp (default 8), batch 1-64, context 1k-1M")
@@ -609,16 +638,44 @@ def _parser() -> cli.ArgumentParser:
     return p
 
 
+# The flags that describe one problem, with their defaults.
+ONE_PROBLEM_DEFAULTS = {"batch": 4, "heads": 32, "kv_heads": 8, "lens": [16384], "capacity": 0, "head_dim": 128}
+
+
+def _check_flags(p: cli.ArgumentParser, args) -> None:
+    """Rules across flags: every flag given must be used (one-problem flags mean nothing to the
+    sweeps, --tp nothing to --paper or --cp-sweep), and --batch must agree with a list of lengths."""
+    if args.plot == "-":
+        p.fail("--plot", "a PNG file path", args.plot)
+    modes = [flag for flag, on in (("--paper", args.paper), ("--tp-sweep", args.tp_sweep), ("--cp-sweep", args.cp_sweep)) if on]
+    if len(modes) > 1:
+        p.fail(modes[1], f"one of --paper, --tp-sweep, --cp-sweep (not with {modes[0]})", True)
+    sweep = modes[0] if modes else None
+    if sweep:
+        unused = [name for name in (*ONE_PROBLEM_DEFAULTS, "model") if getattr(args, name) is not None]
+        if args.tp is not None and not args.tp_sweep:
+            unused.append("tp")
+        if unused:
+            flag = "--" + unused[0].replace("_", "-")
+            p.fail(flag, f"no {flag} with {sweep} (it sets its own problems)", getattr(args, unused[0]))
+    if args.model and (args.heads or args.kv_heads or args.head_dim):
+        p.fail("--model", "no --heads, --kv-heads or --head-dim with --model (the preset sets them)", args.model)
+    if args.batch is not None and args.lens is not None and len(args.lens) > 1 and len(args.lens) != args.batch:
+        p.fail("--batch", f"the number of --lens ({len(args.lens)}) or no --batch with a list of lengths", args.batch)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = _parser()
     args = p.parse_args(argv)
-    if args.plot == "-":
-        p.fail("--plot", "a PNG file path", args.plot)
+    _check_flags(p, args)
     if args.tp is None:
         args.tp = 8 if args.tp_sweep else 1
     if args.model:
         args.heads, args.kv_heads, args.head_dim = MODEL_PRESETS[args.model]
+    for name, default in ONE_PROBLEM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     lens = tuple(args.lens) * args.batch if len(args.lens) == 1 else tuple(args.lens)
     try:
         heads, kv_heads = rank_heads(args.heads, args.kv_heads, args.tp)

@@ -9,6 +9,7 @@ as a module, as a user would, to see that no traceback escapes there either.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,7 @@ FLAG_CASES = [
     ("decode_tp", ["--seed", "-3"], "--seed"),
     ("decode_tp", ["--model", "gpt-5"], "--model"),
     ("decode_tp", ["--device", "tpu"], "--device"),
+    *([("decode_tp", ["--device", "cuda"], "--device")] if not torch.cuda.is_available() else []),
     ("decode_tp", ["--dtype", "float64x"], "--dtype"),
     ("decode_tp", ["--kv-dtype", "fp8"], "--dtype"),
     ("decode_tp", ["--kv-dtype", "int4"], "--kv-dtype"),
@@ -109,6 +111,13 @@ FLAG_CASES = [
     ("simulate", ["--plot", "/nonexistent/x.png"], "--plot"),
     ("simulate", ["--plot", "-"], "--plot"),
     ("simulate", ["--json", NOT_FILE], "--json"),
+    ("simulate", ["--plot", "/proc/lean_tp.png"], "--plot"),  # a directory no one can write, root included
+    ("simulate", ["--json", "/proc/lean_tp.json"], "--json"),
+    ("simulate", ["--batch", "3", "--lens", "10,20"], "--batch"),
+    ("simulate", ["--tp-sweep", "--cp-sweep"], "--cp-sweep"),
+    ("simulate", ["--paper", "--lens", "100"], "--lens"),
+    ("simulate", ["--cp-sweep", "--tp", "4"], "--tp"),
+    ("simulate", ["--model", "llama-3-8b", "--heads", "8"], "--model"),
     *[("kernel_report", ["--workers", v], "--workers") for v in ("0", "-1", "x", "99999")],
     ("kernel_report", ["--set", "nope=1"], "--set"),
     ("kernel_report", ["--set", "block_n=x"], "--set"),
@@ -216,3 +225,33 @@ def test_flag_types(make, text, ok):
     else:
         with pytest.raises(argparse.ArgumentTypeError, match=f"expected .*, got {text!r}"):
             make()(text)
+
+
+def test_a_checkpoint_without_weights_gives_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    line = _one_line_error("decode_tp", ["--checkpoint", str(tmp_path)], capsys)
+    assert "argument --checkpoint: expected a Hugging Face model directory with a config.json and *.safetensors" in line
+
+
+def test_a_model_larger_than_memory_gives_one_line_before_building(capsys, monkeypatch):
+    """Weights and KV caches of every rank sharing the host, checked against its memory at parse time."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "memory_bytes", lambda dev: 23 << 30)
+    line = _one_line_error("decode_tp", ["--model", "phi-3-medium", "--device", "cpu"], capsys)
+    assert "argument --model: expected weights and KV caches within 85% of the cpu memory (23.0 GiB), got " in line
+    assert "for 2 ranks on cpu" in line
+    decode_tp = entry_point("decode_tp")
+    # tiny fits anywhere: the estimate is the model's real size, within its small extras (norms, RoPE tables)
+    tiny = decode_tp.CONFIGS["tiny"]
+    params = sum(p.numel() for p in decode_tp.build_model(tiny).parameters())
+    assert abs(decode_tp.rank_bytes(tiny, 1, 1, 1, 1, 1, 1) - 2 * tiny.n_layers * tiny.n_kv_heads * tiny.head_dim - params) < 0.01 * params
+
+
+def test_vllm_generate_without_vllm_gives_one_line(capsys):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    assert "vLLM: expected it installed beside lean_tp" in _one_line_error("vllm", [], capsys)

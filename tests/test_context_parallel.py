@@ -134,3 +134,31 @@ def test_bad_arguments_fail_on_every_rank():
         context_parallel_attention(**call, shard=1, group=None)
     with pytest.raises(ValueError, match=r"ContextShard: expected rank in \[0, 2\), got 2"):
         ContextShard(2, 2)
+
+
+def test_debug_checks_hold_global_lengths_against_the_shard(monkeypatch):
+    """With LEAN_TP_DEBUG=1, rank 0 of 2 takes global lengths past its local capacity (it holds
+    its share of them), and still refuses a share that does not fit its cache."""
+    from lean_tp.distributed import cp
+
+    monkeypatch.setenv("LEAN_TP_DEBUG", "1")
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(cp.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(cp, "exchange_and_merge", lambda out, lse, group: (out, lse))  # this rank's partial
+    inputs = make_feature_inputs([0, 5, 150], 4, 2, 16, torch.float32, seed=2)
+    shard = ContextShard(2, 0)
+    call = dict(q=inputs["q"], k_cache=shard_cache(inputs["k_cache"], shard), v_cache=shard_cache(inputs["v_cache"], shard),
+                cache_seqlens=inputs["cache_seqlens"])  # fmt: skip
+    assert call["k_cache"].shape[2] < 150
+    got = context_parallel_attention(**call, shard=shard, group=object(), return_lse=True)
+    torch.testing.assert_close(got, local_partial(**call, shard=shard))
+    short = dict(call, k_cache=call["k_cache"][:, :, :40], v_cache=call["v_cache"][:, :, :40])  # rank 0 holds 80 of 150
+    with pytest.raises(ValueError, match="cache_seqlens: expected values in"):
+        context_parallel_attention(**short, shard=shard, group=object())
+
+
+def test_a_shard_that_is_not_this_rank_in_the_group_is_refused():
+    inputs = make_feature_inputs([3, 5], 4, 2, 16, torch.float32, seed=1)
+    call = dict(q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"])
+    with pytest.raises(ValueError, match=r"shard: expected ContextShard\(size=1, rank=0\) \(this rank in group\), got size=2, rank=1"):
+        context_parallel_attention(**call, shard=ContextShard(2, 1), group=None)

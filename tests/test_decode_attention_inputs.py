@@ -101,3 +101,83 @@ def test_debug_checks_block_table(monkeypatch):
         lean_tp.decode_attention(**inputs)
     monkeypatch.delenv("LEAN_TP_DEBUG")
     lean_tp.decode_attention(**inputs)  # without the debug flag nothing reads the values
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    (dict(softcap=float("inf")), ValueError, "softcap: expected a finite float > 0 or None, got inf"),
+    (dict(softcap=float("nan")), ValueError, "softcap: expected a finite float > 0 or None, got nan"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite float or None, got nan"),
+    (dict(softmax_scale=float("-inf")), ValueError, "softmax_scale: expected a finite float or None, got -inf"),
+    (dict(return_lse="yes"), TypeError, "return_lse: expected a bool, got str 'yes'"),
+], ids=["softcap-inf", "softcap-nan", "scale-nan", "scale-inf", "return_lse-str"])  # fmt: skip
+def test_non_finite_scalars_and_flags(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        lean_tp.decode_attention(**_base(), **kwargs)
+    if "softmax_scale" in kwargs:  # the registered op checks too
+        inputs = _base()
+        with pytest.raises(exc, match=message):
+            torch.ops.lean_tp.decode_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"],
+                                               None, None, kwargs["softmax_scale"], "auto")  # fmt: skip
+
+
+def test_a_paged_pool_without_block_table_names_the_layout():
+    inputs = _base("paged16")
+    inputs.pop("block_table")
+    with pytest.raises(ValueError, match=r"looks like a paged pool \(num_pages, page_size, Hkv, D\): pass block_table"):
+        lean_tp.decode_attention(**inputs)
+
+
+def test_a_flash_attn_layout_cache_names_the_layout():
+    inputs = _base()
+    for name in ("k_cache", "v_cache"):  # (B, Hkv, S, D) stored as flash-attn's (B, S, Hkv, D)
+        inputs[name] = inputs[name].transpose(1, 2).contiguous()
+    with pytest.raises(ValueError, match=r"looks like \(B, S_max, Hkv, D\) \(flash-attn's layout\): pass k_cache.transpose"):
+        lean_tp.decode_attention(**inputs)
+
+
+def test_launch_runs_under_the_device_guard_of_q(monkeypatch):
+    """Triton launches on the current device; the launcher makes q's device current first."""
+    from lean_tp.ops.decode_attention import launcher
+
+    guard = launcher.device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(launcher, "device_guard", Recorder)
+    monkeypatch.setattr(launcher, "decode_attention_fwd_kernel", _RecordingKernel(entered))
+    inputs = _base()
+    launcher.decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=2)
+    assert entered == [inputs["q"].device, "launch", "exit"]
+
+
+class _RecordingKernel:
+    """Stands in for the kernel: records when it is launched, relative to the guard."""
+
+    def __init__(self, log):
+        self.log = log
+        from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+
+        self.arg_names = decode_attention_fwd_kernel.arg_names
+        self.__name__ = "decode_attention_fwd_kernel"
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.log.append("launch")
+
+
+def test_workspace_of_the_wrong_size_is_refused():
+    from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
+
+    inputs = _base()
+    small = (torch.empty(1, 2, 16, 64), torch.empty(1, 2, 2, 16))
+    with pytest.raises(ValueError, match=r"workspace: expected contiguous tensors \(shape, dtype\)"):
+        decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=4, workspace=small)

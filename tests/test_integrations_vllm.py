@@ -324,3 +324,18 @@ def test_gpu_impl_reads_fp8_as_vllms_triton_write_stores_it(kv_cache_dtype, monk
     impl = LeanAttentionImpl(8, 64, 0.125, 2, None, 16, kv_cache_dtype, 5.0)
     assert isinstance(impl.delegate, TritonAttentionImpl) and impl.delegate.sliding_window == (15, 0)
     assert impl.fp8_dtype == current_platform.fp8_dtype() == torch.float8_e4m3fn
+
+
+def test_cpu_metadata_keeps_the_pages_in_use(vllm_config):
+    """On CPU the decodes' block table is cut to the longest request's pages, so the torch backend's
+    work follows the lengths and not the table vLLM sizes for its longest allowed request."""
+    case = make_case(vllm_config, [(40, 1), (3, 1)], block_size=16)
+    common = case.common
+    wide = torch.zeros(common.block_table_tensor.shape[0], 512, dtype=torch.int32)
+    wide[:, : common.block_table_tensor.shape[1]] = common.block_table_tensor
+    common.block_table_tensor = wide
+    builder = LeanAttentionMetadataBuilder(FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32),
+                                           ["layer.0"], vllm_config, torch.device("cpu"))  # fmt: skip
+    case.metadata = builder.build(0, common)
+    assert case.metadata.block_table.shape == (2, 3)  # 41 keys: 3 pages of 16
+    check(forward(case), case.ref, torch.float32)

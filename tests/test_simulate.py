@@ -171,3 +171,42 @@ def test_cli_cp_sweep_json_table_and_plot(tmp_path, capsys, monkeypatch):
     data = json.loads(out_json.read_text())
     assert data["links"]["network"][1]["gbps"] == 50.0 and "latency_us" in data["link_sources"]
     assert len(data["rows"]) == len(cp_sweep_cases()) and png.stat().st_size > 10_000
+
+
+def test_gantt_draws_every_methods_bars(tmp_path, monkeypatch):
+    """Each panel draws one bar per piece of work of its method, and the pieces add up to the
+    method's work per SM (FlashDecoding's panel was once empty: its bars were passed by position)."""
+    import matplotlib.axes
+
+    import lean_tp.simulate as sim
+
+    problem = Problem((3000, 900), 8, 2)
+    result = simulate(problem)
+    for sched in result.values():
+        per_sm = [0] * H100.sms
+        for sm, _, tokens, _ in sched.bars:
+            per_sm[sm] += tokens
+        assert sched.bars and per_sm == sched.sm_work, sched.method
+    drawn = []
+    real = matplotlib.axes.Axes.barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda ax, *a, **k: drawn.append(ax) or real(ax, *a, **k))
+    sim.plot_gantt(problem, H100, result, str(tmp_path / "gantt.png"))
+    panels = list(dict.fromkeys(drawn))
+    assert [drawn.count(ax) for ax in panels] == [len(result["lean"].bars), len(result["fa2"].bars)]
+    assert "over the" in panels[0].get_title() and "SMs with work" in panels[1].get_title()
+
+
+def test_empty_problem_reports_no_speedup(capsys):
+    """All lengths 0: every method costs nothing, and no ratio is printed as if it were measured."""
+    (row,) = table_rows(Problem((0, 0), 8, 2), ["H100"], programs_per_sm=1)
+    assert row["lean_us"] == row["fa2_us"] == row["flex_us"] == 0.0
+    assert row["speedup_vs_fa2"] is None and row["speedup_vs_flex"] is None
+    assert main(["--gpu", "H100", "--lens", "0", "--programs-per-sm", "1"]) == 0
+    assert "| n/a | n/a |" in capsys.readouterr().out
+
+
+def test_load_balance_counts_the_sms_with_work():
+    """Lean's grid shrinks for a short context: the SMs it leaves idle do not count against its balance."""
+    result = simulate(Problem((2048,), 8, 2))
+    lean = result["lean"]
+    assert sum(1 for w in lean.sm_work if w) < H100.sms and lean.efficiency > 0.9

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, check_inputs, check_types, scale_tensor
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, check_inputs, check_scalars, check_types, scale_tensor
 from lean_tp.ops.merge_attention import merge_attention
 
 # Tokens per run dealt to one rank. Any block keeps the merge exact and every rank's keys
@@ -163,6 +163,18 @@ def exchange_and_merge(out: torch.Tensor, lse: torch.Tensor, group: dist.Process
     return merged.to(out.dtype), merged_lse
 
 
+def check_shard(shard: object, group: dist.ProcessGroup | None) -> None:
+    """``shard`` must be this rank's place in ``group``: the same size, and the rank's index in it
+    (None: one rank). A mismatch would merge a wrong set of partials into a silently wrong result.
+    Reads only the group's metadata, no collective."""
+    if not isinstance(shard, ContextShard):
+        raise TypeError(f"shard: expected a ContextShard, got {type(shard).__name__}")
+    size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    if (shard.size, shard.rank) != (size, rank):
+        raise ValueError(f"shard: expected ContextShard(size={size}, rank={rank}) (this rank in group), "
+                         f"got size={shard.size}, rank={shard.rank}")  # fmt: skip
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -196,11 +208,15 @@ def context_parallel_attention(
         out (q's shape and dtype), and lse (float32, q's shape without D) when ``return_lse``.
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, sinks=sinks)
+    check_scalars(softcap, window, softmax_scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     # Every rank checks the whole call, so a bad argument fails on all of them, not only where it is used.
-    check_inputs(q, k_cache, v_cache, cache_seqlens, None, backend, None, k_scale, v_scale, softcap, window, sinks)
-    if not isinstance(shard, ContextShard):
-        raise TypeError(f"shard: expected a ContextShard, got {type(shard).__name__}")
+    # cache_seqlens are global: the local calls check their own lengths against the local cache.
+    check_inputs(q, k_cache, v_cache, cache_seqlens, None, backend, None, k_scale, v_scale, softcap, window, sinks,
+                 softmax_scale, values=False)  # fmt: skip
+    check_shard(shard, group)
     attn_kwargs = dict(softmax_scale=softmax_scale, backend=backend, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     out, lse = local_partial(q, k_cache, v_cache, cache_seqlens, shard, window=window, sinks=sinks, **attn_kwargs)
     out, lse = exchange_and_merge(out, lse, group)

@@ -174,7 +174,8 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
             num_decodes=num_decodes,
             decode_query_len=query_len,
             seq_lens=common.seq_lens[:num_decodes],
-            block_table=common.block_table_tensor[:num_decodes],
+            block_table=_pages_in_use(common.block_table_tensor[:num_decodes], common.seq_lens[:num_decodes],
+                                      self.kv_cache_spec.block_size),  # fmt: skip
             slot_mapping=common.slot_mapping,
         )
         num_decode_tokens = num_decodes * query_len
@@ -188,6 +189,17 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
                     rest_metadata.query_start_loc_cpu.tolist(), rest_metadata.seq_lens, rest_metadata.block_table_tensor
                 )
         return metadata
+
+
+def _pages_in_use(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """On CPU, the block table's leading columns that hold the longest request's pages, so that the
+    torch backend's work follows the requests' lengths, not vLLM's longest allowed one (reading a
+    CPU tensor costs no sync). On GPUs the whole table: its width is the cache's capacity, which a
+    captured CUDA graph keeps for every replay, so it must not shrink with one batch's lengths.
+    block_table (R, max_pages) int32, seq_lens (R,) int32."""
+    if block_table.device.type != "cpu" or seq_lens.numel() == 0:
+        return block_table
+    return block_table[:, : max(1, -(-int(seq_lens.max()) // block_size))]
 
 
 class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):

@@ -49,3 +49,18 @@ class CacheLayout:
             v_strides=tuple(v_cache.stride(d) for d in dims),
         )
 
+
+
+def valid_keys(
+    cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor | None, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end), each (B,): sequence b's keys are cache positions ``[start[b], end[b])``.
+
+    The stored values clamped into the cache, ``end = clamp(cache_seqlens, 0, capacity)`` and
+    ``start = clamp(cache_leftpad, 0, end)``, so that any value a scheduler writes, negative or
+    past the capacity, names keys inside the cache (none when ``start == end``). The torch backend
+    masks by it and the launcher hands the kernel its results: elementwise device ops, no sync.
+    """
+    end = cache_seqlens.clamp(0, capacity)
+    start = torch.minimum(cache_leftpad.clamp_min(0), end) if cache_leftpad is not None else torch.zeros_like(end)
+    return start, end

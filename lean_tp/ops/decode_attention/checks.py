@@ -7,6 +7,7 @@ cache's capacity, page indices within the pool) run only when ``LEAN_TP_DEBUG=1`
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -69,9 +70,14 @@ def check_inputs(
     softcap: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    *,
+    values: bool = True,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call (fp8 scales
-    as the op sees them: (Hkv,) or (1,) float32 tensors)."""
+    as the op sees them: (Hkv,) or (1,) float32 tensors). ``values``: with ``LEAN_TP_DEBUG=1``,
+    also check lengths and page indices against this cache (False where the lengths are not this
+    cache's, as context parallelism's global lengths)."""
     if not (isinstance(backend, str) and backend in BACKENDS):
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _require_tensor("q", q)
@@ -98,10 +104,11 @@ def check_inputs(
         _check_paged(block_table, k_cache, batch, q.device)
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     num_kv_heads = layout.num_kv_heads
+    hint = "" if paged else _layout_hint(k_cache, batch, num_q_heads)
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}")
+        raise ValueError(f"q: expected Hq to be a multiple of Hkv={num_kv_heads}, got Hq={num_q_heads}{hint}")
     if not paged and k_cache.shape[0] != batch:
-        raise ValueError(f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}")
+        raise ValueError(f"k_cache: expected batch {batch} (q's), got shape {tuple(k_cache.shape)}{hint}")
     _check_tensor("cache_seqlens", cache_seqlens, 1, "(B,)")
     _check_int32("cache_seqlens", cache_seqlens, q.device)
     if cache_seqlens.shape[0] != batch:
@@ -111,9 +118,22 @@ def check_inputs(
         _check_int32("cache_leftpad", cache_leftpad, q.device)
         if cache_leftpad.shape[0] != batch:
             raise ValueError(f"cache_leftpad: expected shape ({batch},), got {tuple(cache_leftpad.shape)}")
-    _check_features(k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks)
-    if os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
+    _check_features(k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks,
+                    softmax_scale)  # fmt: skip
+    if values and os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
         _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad)
+
+
+def _layout_hint(k_cache: torch.Tensor, batch: int, num_q_heads: int) -> str:
+    """For a cache passed without block_table that does not fit (B, Hkv, S_max, D): the layout it
+    most likely has, and how to pass it."""
+    rows, dim1, dim2 = k_cache.shape[:3]
+    if rows == batch and dim2 > 0 and num_q_heads % dim2 == 0:
+        return (f"; k_cache looks like (B, S_max, Hkv, D) (flash-attn's layout): pass k_cache.transpose(1, 2) "
+                "and v_cache.transpose(1, 2)")  # fmt: skip
+    if dim1 >= MIN_PAGE_SIZE and dim1 & (dim1 - 1) == 0 and dim2 > 0 and num_q_heads % dim2 == 0:
+        return "; k_cache looks like a paged pool (num_pages, page_size, Hkv, D): pass block_table with it"
+    return ""
 
 
 def _check_cache_dtype(name: str, dtype: torch.dtype, q_dtype: torch.dtype) -> None:
@@ -126,9 +146,9 @@ def _check_cache_dtype(name: str, dtype: torch.dtype, q_dtype: torch.dtype) -> N
 
 def _check_features(
     cache_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, device: torch.device, k_scale: object,
-    v_scale: object, softcap: object, window: object, sinks: object,
+    v_scale: object, softcap: object, window: object, sinks: object, softmax_scale: object = None,
 ) -> None:  # fmt: skip
-    """fp8 scales (required with fp8 caches, refused otherwise), softcap, window and sinks."""
+    """fp8 scales (required with fp8 caches, refused otherwise), softcap, window, softmax_scale and sinks."""
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if cache_dtype not in FP8_DTYPES:
             if scale is not None:
@@ -137,7 +157,7 @@ def _check_features(
         if scale is None:
             raise ValueError(f"{name}: expected a float or a ({num_kv_heads},) float32 tensor with an fp8 cache, got None")
         _check_vector(name, scale, num_kv_heads, "Hkv", device, per_tensor=True)
-    check_scalars(softcap, window)
+    check_scalars(softcap, window, softmax_scale)
     if sinks is not None:
         _check_vector("sinks", sinks, num_q_heads, "Hq", device)
 
@@ -147,11 +167,15 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def check_scalars(softcap: object, window: object) -> None:
-    """softcap and window, also checked before the dispatcher, which would reject a float window
-    with a RuntimeError."""
-    if softcap is not None and not (is_number(softcap) and softcap > 0):
-        raise ValueError(f"softcap: expected a float > 0 or None, got {softcap!r}")
+def check_scalars(softcap: object, window: object, softmax_scale: object = None) -> None:
+    """softcap, window and softmax_scale, also checked before the dispatcher, which would reject a
+    float window with a RuntimeError. A non-finite scale or cap would make every output NaN."""
+    if softcap is not None and not (is_number(softcap) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
+    if softmax_scale is not None and not (is_number(softmax_scale) and math.isfinite(softmax_scale)):
+        if not is_number(softmax_scale):
+            raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
 

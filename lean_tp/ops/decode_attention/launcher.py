@@ -6,6 +6,7 @@ is safe to capture in a CUDA graph and to trace with ``torch.compile``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -14,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import triton
 
-from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.cache import CacheLayout, valid_keys
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.schedule import SEGMENT_FIELDS, lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
@@ -273,6 +274,17 @@ def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torc
     return ws_acc, ws_ml
 
 
+def check_workspace(workspace: object, num_programs: int, block_g: int, head_dim: int) -> None:
+    """``ValueError`` unless ``workspace`` is a pair of contiguous float32 tensors with
+    ``alloc_workspace``'s shapes (the kernel writes every slot of a grid-sized workspace)."""
+    expected = [(tuple(w.shape), torch.float32) for w in alloc_workspace(num_programs, block_g, head_dim, torch.device("meta"))]
+    parts = list(workspace) if isinstance(workspace, (tuple, list)) else [workspace]
+    got = [(tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w).__name__ for w in parts]
+    if got != expected or not all(w.is_contiguous() for w in parts):
+        raise ValueError(f"workspace: expected contiguous tensors (shape, dtype) {expected} "
+                         f"(alloc_workspace({num_programs}, {block_g}, {head_dim})), got {got}")  # fmt: skip
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -314,7 +326,9 @@ def decode_attention_fwd(
             device's with the default grid, else ``num_programs`` (one program per SM).
         config: tuning override; default the tuning-table entry.
         counters: (counters_size(num_programs),) int32 zeros, reused across launches (the kernel
-            leaves them at zero); default a fresh zeroed buffer.
+            leaves them at zero); default a fresh zeroed buffer. A launch that did not complete
+            (a killed process, a CUDA error) may leave them non-zero, and a later launch with
+            them merges partials wrongly: zero them (``counters.zero_()``) after such a failure.
         out, lse: preallocated results of the shapes returned (tests pass NaN-filled ones to catch
             unwritten elements).
         workspace: preallocated ``alloc_workspace`` buffers; their contents are never read before
@@ -343,7 +357,10 @@ def decode_attention_fwd(
         raise ValueError(f"out, lse: expected contiguous tensors, got strides {out.stride()} and {lse.stride()}")
     out4, lse4 = out.view(q4.shape), lse.view(q4.shape[:-1])
     rows = kernel_constexprs(config, head_dim, group, q.dtype, layout.page_size, features=features)
-    workspace = workspace or alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
+    if workspace is None:
+        workspace = alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
+    else:
+        check_workspace(workspace, num_programs, rows["BLOCK_G"], head_dim)
     if counters is None:
         counters = torch.zeros(counters_size(num_programs), device=q.device, dtype=torch.int32)
     elif counters.numel() < counters_size(num_programs):
@@ -351,8 +368,15 @@ def decode_attention_fwd(
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
                        softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks,
                        num_sms=num_sms)  # fmt: skip
-    launch(decode_attention_fwd_kernel)[(num_programs,)](**args, **config.compile_options(layout.paged, args["BLOCK_G"]))
+    with device_guard(q.device):
+        launch(decode_attention_fwd_kernel)[(num_programs,)](**args, **config.compile_options(layout.paged, args["BLOCK_G"]))
     return out, lse
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a launch runs in: ``device`` made current for CUDA tensors. Triton launches on
+    the current device, which need not be q's (``device_map="auto"`` puts layers on several GPUs)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def features_of(
@@ -374,6 +398,17 @@ def _stride_align(strides: tuple[int, ...], element_size: int) -> int:
 
 # More keys than any cache holds: without a window every valid key is tiled.
 NO_SPAN_LIMIT = 2**30
+
+
+def check_tile_count(batch: int, head_units: int, capacity: int, tile_n: int) -> None:
+    """``ValueError`` unless the schedule's int32 tile arithmetic holds for any lengths: each length
+    is clamped to the capacity, so the most tiles a batch can have is what must fit."""
+    if capacity > NO_SPAN_LIMIT or batch * head_units * -(-capacity // tile_n) >= 2**31:
+        raise ValueError(
+            f"k_cache: expected a capacity of at most {NO_SPAN_LIMIT} keys per sequence and fewer than 2**31 "
+            f"LeanTiles of {tile_n} keys for the batch at full capacity, got capacity {capacity}, batch {batch}, "
+            f"{head_units} head units"
+        )
 
 
 def launch_args(
@@ -398,14 +433,19 @@ def launch_args(
         k_cache, v_cache = e4m3_operands(k_cache, v_cache)
         layout = CacheLayout.of(k_cache, v_cache, block_table)
     strides = (q.stride(0), q.stride(1), q.stride(2), *layout.k_strides, *layout.v_strides)
-    # The schedule tiles each sequence's valid keys; left padding only shifts where they are read.
-    lengths = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+    check_tile_count(q.shape[0], layout.num_kv_heads * constexprs["NUM_GC"], layout.capacity, config.tile_n)
+    # The schedule tiles each sequence's valid keys, clamped into the cache (``cache.valid_keys``)
+    # by device ops before the launch, so that no stored value can make a tile count negative or
+    # overflow, move the kernel's walk backwards or send a read or a write out of bounds; left
+    # padding only shifts where the keys are read.
+    start, end = valid_keys(cache_seqlens, cache_leftpad, layout.capacity)
+    lengths = end - start if cache_leftpad is not None else end
     # Scores in the log2 domain; with a softcap, the argument of the exp2 form of tanh (see _attend).
     log2_scale = softmax_scale * math.log2(math.e)
     placeholder = lengths  # passed for pointers the variant never reads
     args = {
         "q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "seqlens_ptr": lengths,
-        "leftpad_ptr": cache_leftpad if cache_leftpad is not None else placeholder,
+        "leftpad_ptr": start if cache_leftpad is not None else placeholder,
         "bt_ptr": block_table if layout.paged else placeholder,
         "out_ptr": out, "lse_ptr": lse, "ws_acc_ptr": workspace[0], "ws_ml_ptr": workspace[1], "counter_ptr": counters,
         "k_scale_ptr": k_scale if k_scale is not None else placeholder,
@@ -448,7 +488,7 @@ class Segment(NamedTuple):
 
 def lean_schedule(
     cache_seqlens: torch.Tensor, head_units: int, tile_n: int, num_programs: int, max_segments: int | None = None,
-    max_span: int = NO_SPAN_LIMIT, num_sms: int | None = None,
+    max_span: int = NO_SPAN_LIMIT, num_sms: int | None = None, capacity: int | None = None,
 ) -> list[list[Segment]]:
     """The kernel's stream-K schedule and merge tree, computed by the kernel's own schedule code.
 
@@ -461,11 +501,17 @@ def lean_schedule(
         max_span: keys of a sequence that are tiled, its last ``min(len, max_span)``
             (``window + Tq - 1`` with a sliding window).
         num_sms: SMs the grid is spread over (a divisor of num_programs); default num_programs.
+        capacity: most keys a sequence holds; each length is clamped to [0, capacity] as a
+            launch clamps it. Default: the longest length (at least 1).
 
     Returns:
         One list of ``Segment`` per active program; inactive programs are omitted.
     """
     device = cache_seqlens.device
+    if capacity is None:
+        capacity = max(1, int(cache_seqlens.max())) if cache_seqlens.numel() else 1
+    check_tile_count(cache_seqlens.shape[0], head_units, capacity, tile_n)
+    cache_seqlens = valid_keys(cache_seqlens, None, capacity)[1]
     room = max_segments or 64
     while True:
         segs = torch.full((num_programs, room, SEGMENT_FIELDS.value), -1, dtype=torch.int32, device=device)

@@ -15,7 +15,6 @@ from lean_tp.ops.decode_attention.checks import (
     check_inputs,
     check_scalars,
     check_types,
-    is_number,
     scale_tensor,
     uses_triton,
 )
@@ -48,7 +47,7 @@ def decode_attention_op(
     """Registered op; see ``decode_attention`` for the arguments (fp8 scales as float32 tensors).
     Returns (out, lse)."""
     check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
-                 k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+                 k_scale, v_scale, softcap, window, sinks, softmax_scale)  # fmt: skip
     features = call_features(q, k_cache, softcap, window, sinks)
     if uses_triton(q.device, q.shape[-1], q.dtype, backend, features):
         if block_table is not None and block_table.stride(-1) != 1:
@@ -66,7 +65,7 @@ def decode_attention_op(
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, softmax_scale, backend,
       k_scale=None, v_scale=None, softcap=None, window=None, sinks=None):  # fmt: skip
     check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
-                 k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+                 k_scale, v_scale, softcap, window, sinks, softmax_scale)  # fmt: skip
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
@@ -96,9 +95,10 @@ def decode_attention(
             or paged (num_pages, page_size, Hkv, D) together with ``block_table``.
             q's dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) with an fp16/bf16 q and scales.
             Same device as q; Hq must be a multiple of Hkv.
-        cache_seqlens: (B,) int32 on q's device, ``0 <= cache_seqlens[b] <= capacity``, counting
-            the new tokens: query t sits at position ``cache_seqlens[b] - Tq + t`` and sees the
-            keys up to and including it.
+        cache_seqlens: (B,) int32 on q's device, counting the new tokens: query t sits at
+            position ``cache_seqlens[b] - Tq + t`` and sees the keys up to and including it.
+            Values are clamped to ``[0, capacity]`` (and ``cache_leftpad`` to ``[0, cache_seqlens]``)
+            on the device, so no value hangs the kernel or writes out of bounds (``cache.valid_keys``).
         block_table: (B, max_pages_per_seq) int32, page indices of each sequence, for paged caches.
         cache_leftpad: (B,) int32, for left-padded batches: sequence b's keys are cache positions
             ``[cache_leftpad[b], cache_seqlens[b])`` instead of ``[0, cache_seqlens[b])``.
@@ -121,11 +121,11 @@ def decode_attention(
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_leftpad=cache_leftpad, sinks=sinks)
-    check_scalars(softcap, window)
+    check_scalars(softcap, window, softmax_scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    if not is_number(softmax_scale):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     if isinstance(softcap, int) and not isinstance(softcap, bool):
         softcap = float(softcap)

@@ -1,15 +1,20 @@
 """Plain-torch decode attention: the CPU path users get, and a portable path on any device.
 
 The cache is read in chunks of ``CHUNK_TOKENS`` and the chunk partials are merged with the same
-operator the kernel uses, so memory stays bounded for long caches. Every shape is static: the
-whole capacity is processed with masks (no ``.item()``), which keeps it traceable and graph-safe.
+operator the kernel uses, so memory stays bounded for long caches. Keys outside a sequence's valid
+range (``cache.valid_keys``) are masked in K's scores and zeroed in V, so whatever those slots
+hold (NaN in an uninitialised cache or page) never reaches the output. On accelerators and under
+``torch.compile`` every shape is static: the whole capacity is processed with masks (no
+``.item()``), which keeps it traceable and graph-safe. Eager on CPU, where reading a value costs
+no device sync, the chunks stop at the longest sequence, so a call costs what the lengths need,
+not what the cache could hold.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.cache import CacheLayout, valid_keys
 
 # Bounds the fp32 working set to B * Hq * CHUNK_TOKENS scores plus one upcast K/V chunk.
 CHUNK_TOKENS = 4096
@@ -31,17 +36,17 @@ def merge_partials(
     return m, l_a * w_a + l_b * w_b, acc_a * w_a[..., None] + acc_b * w_b[..., None]
 
 
-def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table):
-    """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D)."""
+def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table, n_keys: int):
+    """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D), covering positions [0, n_keys)."""
     if not layout.paged:
-        for n0 in range(0, layout.capacity, CHUNK_TOKENS):
+        for n0 in range(0, n_keys, CHUNK_TOKENS):
             yield n0, k_cache[:, :, n0 : n0 + CHUNK_TOKENS], v_cache[:, :, n0 : n0 + CHUNK_TOKENS]
         return
     page_size = layout.page_size
     pages_per_chunk = max(1, CHUNK_TOKENS // page_size)
     # Entries past a sequence's length may hold anything; clamp so the gather stays in bounds.
     table = block_table.long().clamp(0, k_cache.shape[0] - 1)
-    for p0 in range(0, table.shape[1], pages_per_chunk):
+    for p0 in range(0, -(-n_keys // page_size), pages_per_chunk):
         pages = table[:, p0 : p0 + pages_per_chunk]
         k = k_cache[pages].flatten(1, 2).transpose(1, 2)
         v = v_cache[pages].flatten(1, 2).transpose(1, 2)
@@ -76,17 +81,21 @@ def decode_attention_torch(
     rows = num_tokens * group
     q_g = q4.view(batch, num_tokens, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
         batch, num_kv_heads, rows, head_dim).float() * softmax_scale  # fmt: skip
-    lo, hi = _row_bounds(cache_seqlens, cache_leftpad, num_tokens, group, window)
+    start, end = valid_keys(cache_seqlens, cache_leftpad, layout.capacity)
+    lo, hi = _row_bounds(start, end, num_tokens, group, window)
+    # Keys any row of a sequence sees, (B, 1, 1, 1) each: V outside them is zeroed, since 0 * NaN is NaN.
+    seen_lo, seen_hi = lo.amin(2, keepdim=True), hi.amax(2, keepdim=True)
     m = torch.full((batch, num_kv_heads, rows), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
-    for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table):
+    for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table, _keys_to_read(end, layout.capacity)):
+        pos = torch.arange(n0, n0 + k.shape[2], device=q.device)
         k, v = _dequantize(k, k_scale), _dequantize(v, v_scale)
+        v = torch.where(((pos >= seen_lo) & (pos < seen_hi)).transpose(-1, -2), v, torch.zeros_like(v))
         # K as the left operand keeps its (n, D) memory order: a (D, n) copy for the right operand
         # is what torch 2.11's CPU Inductor miscompiles when fused with the page gather.
         s = torch.matmul(k, q_g.transpose(-1, -2)).transpose(-1, -2)
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        pos = torch.arange(n0, n0 + s.shape[-1], device=q.device)
         s = s.masked_fill(~((pos >= lo) & (pos < hi)), float("-inf"))
         m_c = s.amax(-1)
         p = torch.exp(s - torch.where(torch.isinf(m_c), torch.zeros_like(m_c), m_c)[..., None])
@@ -104,14 +113,24 @@ def decode_attention_torch(
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
 
 
-def _row_bounds(cache_seqlens, cache_leftpad, num_tokens: int, group: int, window: int | None):
-    """Key positions [lo, hi) each row sees, as (B, 1, Tq * group, 1): row t * group + g is query
-    token t, at cache position len - Tq + t, which sees itself and the keys before it."""
-    t = torch.arange(num_tokens, device=cache_seqlens.device).repeat_interleave(group)
-    hi = cache_seqlens.view(-1, 1) - num_tokens + 1 + t
-    lo = cache_leftpad.view(-1, 1) if cache_leftpad is not None else torch.zeros_like(hi[:, :1])
+def _keys_to_read(end: torch.Tensor, capacity: int) -> int:
+    """Cache positions the chunks cover: the longest sequence's end eagerly on CPU (reading it costs
+    no device sync), else the capacity (static shapes for graphs and torch.compile)."""
+    if end.device.type == "cpu" and not torch.compiler.is_compiling():
+        return int(end.max()) if end.numel() else 0
+    return capacity
+
+
+def _row_bounds(start: torch.Tensor, end: torch.Tensor, num_tokens: int, group: int, window: int | None):
+    """Key positions [lo, hi) each row sees, as (B, 1, Tq * group, 1), from the sequences' valid keys
+    [start, end) (B,): row t * group + g is query token t, at cache position end - Tq + t, which
+    sees itself and the keys before it."""
+    t = torch.arange(num_tokens, device=end.device).repeat_interleave(group)
+    hi = end.view(-1, 1) - num_tokens + 1 + t
+    lo = start.view(-1, 1).expand_as(hi)
     if window is not None:
         lo = torch.maximum(lo, hi - window)
+    hi = torch.maximum(hi, lo)
     return lo[:, None, :, None], hi[:, None, :, None]
 
 
