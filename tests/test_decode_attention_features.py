@@ -155,7 +155,7 @@ BAD_CALLS = {
     "fp8 with fp32 q": (dict(q=torch.randn(2, 8, 64)), TypeError, "q: expected float16 or bfloat16 with an fp8 k_cache"),
     "window 0": (dict(window=0), ValueError, "window: expected an int >= 1 or None, got 0"),
     "window float": (dict(window=2.5), ValueError, "window: expected an int >= 1 or None, got 2.5"),
-    "softcap 0": (dict(softcap=0.0), ValueError, "softcap: expected a float > 0 or None, got 0.0"),
+    "softcap 0": (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0 or None, got 0.0"),
     "sinks shape": (dict(sinks=torch.zeros(2)), ValueError, r"sinks: expected shape \(8,\) \(Hq\), got \(2,\)"),
     "sinks dtype": (dict(sinks=torch.zeros(8, dtype=torch.float16)), TypeError, "sinks: expected dtype torch.float32"),
     "too many tokens": (dict(q=torch.randn(2, MAX_QUERY_TOKENS + 1, 8, 64).half()), ValueError,

@@ -13,6 +13,7 @@ not what the cache could hold.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from lean_tp.ops.decode_attention.cache import CacheLayout, valid_keys
 
@@ -116,7 +117,7 @@ def decode_attention_torch(
 def _keys_to_read(end: torch.Tensor, capacity: int) -> int:
     """Cache positions the chunks cover: the longest sequence's end eagerly on CPU (reading it costs
     no device sync), else the capacity (static shapes for graphs and torch.compile)."""
-    if end.device.type == "cpu" and not torch.compiler.is_compiling():
+    if end.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(end):
         return int(end.max()) if end.numel() else 0
     return capacity
 
