@@ -35,6 +35,7 @@ from lean_tp.distributed import (
     gather_objects,
     init_distributed,
     init_parallel_groups,
+    plan_heads,
     shutdown,
     torchrun_env,
 )
@@ -127,10 +128,11 @@ MEMORY_SHARE = 0.85
 def rank_bytes(config: ModelArgs, world: int, cp: int, batch: int, capacity: int, dtype_bytes: int, kv_bytes: int) -> int:
     """Weights and KV cache of one rank (TP = world / cp): attention projections sharded by heads
     over TP (KV heads replicated where TP exceeds them), the MLP over every rank, embedding and LM
-    head replicated; each KV head's sequence split over cp ranks."""
-    tp, hd = world // cp, config.head_dim
-    kv_heads = max(config.n_kv_heads // tp, 1)
-    attn = config.dim * hd * (2 * config.n_heads // tp + 2 * kv_heads)
+    head replicated; each KV head's sequence split over cp ranks. The head counts must be
+    shardable (``check_shardable``)."""
+    heads, hd = plan_heads(config.n_heads, config.n_kv_heads, world // cp, 0), config.head_dim
+    kv_heads = heads.n_kv
+    attn = config.dim * hd * (2 * heads.n_q + 2 * kv_heads)
     mlp = 3 * config.dim * config.intermediate_size // world
     embed = config.vocab_size * config.dim * (1 if config.tie_word_embeddings else 2)
     kv = 2 * config.n_layers * batch * kv_heads * -(-capacity // cp) * hd * kv_bytes
@@ -142,7 +144,7 @@ def check_memory(p: cli.ArgumentParser, args: argparse.Namespace, config: ModelA
     device's memory: a GPU's per rank, or the host's for all the ranks that share it on CPU (and,
     with --check, one more unsharded copy on rank 0's device)."""
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
+    dtype = run_dtype(args, dev)
     kv_bytes = 1 if args.kv_dtype == "fp8" else dtype.itemsize
     batch, capacity = len(args.prompt_lens), max(args.prompt_lens) + args.gen
     sharers = local_world if dev == "cpu" else 1
@@ -155,6 +157,11 @@ def check_memory(p: cli.ArgumentParser, args: argparse.Namespace, config: ModelA
         p.fail("--checkpoint" if args.checkpoint else "--model",
                f"weights and KV caches within {MEMORY_SHARE:.0%} of the {dev} memory ({have / 2**30:.1f} GiB)",
                f"{args.checkpoint or args.model}: {need / 2**30:.1f} GiB for {where}")  # fmt: skip
+
+
+def run_dtype(args: argparse.Namespace, device_type: str) -> torch.dtype:
+    """--dtype, or its default: bf16 on CUDA, fp32 on CPU."""
+    return DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device_type == "cuda" else torch.float32)
 
 
 def model_config(args: argparse.Namespace) -> ModelArgs:
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             if ctx.is_main:
                 print(f"decode_tp.py: error: {mismatch}", file=sys.stderr, flush=True)
             return 2
-        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+        dtype = run_dtype(args, ctx.device.type)
         all_ok = True
         for cp in args.cp:
             torch.manual_seed(args.seed)

@@ -26,12 +26,12 @@ MAX_GEN = 1 << 20
 
 
 def hf_checkpoint(text: str) -> str:
-    """An argparse ``type`` for ``--checkpoint``: a Hugging Face model directory, with its config.json."""
+    """An argparse ``type`` for ``--checkpoint``: a Hugging Face model directory, with its config.json
+    and safetensors weights."""
     import argparse
     import os
 
-    has = lambda f: os.path.isfile(os.path.join(text, f))  # noqa: E731
-    if not has("config.json") or not any(f.endswith(".safetensors") for f in os.listdir(text)):
+    if not os.path.isfile(os.path.join(text, "config.json")) or not any(f.endswith(".safetensors") for f in os.listdir(text)):
         raise argparse.ArgumentTypeError(
             f"expected a Hugging Face model directory with a config.json and *.safetensors weights, got {text!r}"
         )

@@ -170,13 +170,17 @@ class Schedule:
         return max(self.sm_work)
 
     @property
+    def busy_sms(self) -> int:
+        """SMs that stream any K/V."""
+        return sum(1 for w in self.sm_work if w)
+
+    @property
     def efficiency(self) -> float:
         """Load balance over the SMs that stream K/V: their mean work over the busiest one's (1.0:
         all finish together). SMs a method leaves idle on purpose (lean's grid shrinks for short
         contexts, since SMs streaming together share the bandwidth) do not count against it; the
         modelled time is what compares methods."""
-        busy = [w for w in self.sm_work if w]
-        return sum(busy) / (len(busy) * self.makespan) if busy else 1.0
+        return sum(self.sm_work) / (self.busy_sms * self.makespan) if self.busy_sms else 1.0
 
 
 def fa2_num_splits(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
@@ -410,8 +414,7 @@ def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], pat
             ax.barh(sm, tokens, left=start, height=0.9, color=cmap(output % 20), edgecolor="white", linewidth=0.3)
         ax.axvline(sched.makespan, color="red", linewidth=1.5, label="finish (makespan)")
         title = "LeanAttention (stream-K)" if name == "lean" else f"FlashDecoding / FA2 fixed split ({sched.splits} splits)"
-        busy = sum(1 for w in sched.sm_work if w)
-        ax.set_title(f"{title}\nload balance {sched.efficiency:.2f} over the {busy} SMs with work, "
+        ax.set_title(f"{title}\nload balance {sched.efficiency:.2f} over the {sched.busy_sms} SMs with work, "
                      f"modelled {sched.time_us:.1f} us")  # fmt: skip
         ax.set_xlim(0, horizon * 1.02)
         ax.set_xlabel("K/V tokens read per SM")

@@ -59,7 +59,7 @@ def run_kernel_guarded(inputs: dict, num_programs: int = 4, seconds: float = 120
     q = inputs["q"]
     out_buf, out = guarded(q.shape, q.dtype)
     lse_buf, lse = guarded(q.shape[:-1], torch.float32)
-    call = {k: v for k, v in inputs.items() if k not in ("return_lse",)}
+    call = dict(inputs)
     for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
         if isinstance(call.get(name), float):
             call[name] = torch.tensor([call[name]])
@@ -74,7 +74,7 @@ def clamped(inputs: dict) -> dict:
     """The same call with lengths and left padding clamped into the cache, as the op reads them."""
     layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
     start, end = valid_keys(inputs["cache_seqlens"], inputs["cache_leftpad"], layout.capacity)
-    return dict(inputs, cache_seqlens=end, cache_leftpad=start if inputs["cache_leftpad"] is not None else None)
+    return dict(inputs, cache_seqlens=end, cache_leftpad=start)
 
 
 def _i32(values):
@@ -141,6 +141,14 @@ def test_capacity_too_large_for_int32_tiles():
         lean_schedule(_i32([5]), 1, 16, 2, capacity=2**31 - 1)
 
 
+def _poison(cache: torch.Tensor, index) -> None:
+    """NaN into ``cache[index]``: the float NaN, or for fp8 the byte 0x7F (NaN in e4m3fn and e5m2)."""
+    if cache.element_size() == 1:
+        cache.view(torch.uint8)[index] = 0x7F
+    else:
+        cache[index] = float("nan")
+
+
 def poisoned_inputs(layout: str, cache_dtype=None) -> dict:
     """Valid lengths with left padding, and NaN in every slot no query may see: past each length,
     before each left padding, and in pages no sequence maps (the block table's unused entries
@@ -149,25 +157,21 @@ def poisoned_inputs(layout: str, cache_dtype=None) -> dict:
                                  cache_dtype=cache_dtype, seed=11)  # fmt: skip
     k, v = inputs["k_cache"], inputs["v_cache"]
     start, end = inputs["cache_leftpad"].long(), inputs["cache_seqlens"].long()
-    nan = float("nan")
     if inputs["block_table"] is None:
         pos = torch.arange(k.shape[2])
         unseen = (pos < start[:, None]) | (pos >= end[:, None])  # (B, S)
         for c in (k, v):
-            c.view(torch.uint8 if c.element_size() == 1 else c.dtype).transpose(1, 2)[unseen] = (
-                0x7F if c.element_size() == 1 else nan)  # fmt: skip
+            _poison(c.transpose(1, 2), unseen)
         return inputs
     table, page = inputs["block_table"], k.shape[1]
     mapped = set(table[table < k.shape[0]].tolist())
     spare = next(p for p in range(k.shape[0]) if p not in mapped)
     table[table >= k.shape[0]] = spare  # unused entries: a page full of NaN
-    for b in range(table.shape[0]):
-        for n in list(range(int(start[b]))) + list(range(int(end[b]), table.shape[1] * page)):
-            row = int(table[b, n // page])
-            for c in (k, v):
-                c.view(torch.uint8 if c.element_size() == 1 else c.dtype)[row, n % page] = 0x7F if c.element_size() == 1 else nan
     for c in (k, v):
-        c.view(torch.uint8 if c.element_size() == 1 else c.dtype)[spare] = 0x7F if c.element_size() == 1 else nan
+        _poison(c, spare)
+        for b in range(table.shape[0]):
+            for n in list(range(int(start[b]))) + list(range(int(end[b]), table.shape[1] * page)):
+                _poison(c, (int(table[b, n // page]), n % page))
     return inputs
 
 

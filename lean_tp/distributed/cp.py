@@ -26,7 +26,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, check_inputs, check_scalars, check_types, scale_tensor
+from lean_tp.ops.decode_attention.checks import (
+    MAX_QUERY_TOKENS,
+    check_inputs,
+    check_return_lse,
+    check_types,
+    scale_tensor,
+)
 from lean_tp.ops.merge_attention import merge_attention
 
 # Tokens per run dealt to one rank. Any block keeps the merge exact and every rank's keys
@@ -208,9 +214,7 @@ def context_parallel_attention(
         out (q's shape and dtype), and lse (float32, q's shape without D) when ``return_lse``.
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, sinks=sinks)
-    check_scalars(softcap, window, softmax_scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
+    check_return_lse(return_lse)
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     # Every rank checks the whole call, so a bad argument fails on all of them, not only where it is used.
     # cache_seqlens are global: the local calls check their own lengths against the local cache.

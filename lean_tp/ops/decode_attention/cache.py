@@ -50,11 +50,11 @@ class CacheLayout:
         )
 
 
-
 def valid_keys(
     cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor | None, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, end), each (B,): sequence b's keys are cache positions ``[start[b], end[b])``.
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(start, end), each (B,): sequence b's keys are cache positions ``[start[b], end[b])``;
+    start is None (every sequence starts at 0) without left padding.
 
     The stored values clamped into the cache, ``end = clamp(cache_seqlens, 0, capacity)`` and
     ``start = clamp(cache_leftpad, 0, end)``, so that any value a scheduler writes, negative or
@@ -62,5 +62,5 @@ def valid_keys(
     masks by it and the launcher hands the kernel its results: elementwise device ops, no sync.
     """
     end = cache_seqlens.clamp(0, capacity)
-    start = torch.minimum(cache_leftpad.clamp_min(0), end) if cache_leftpad is not None else torch.zeros_like(end)
+    start = torch.minimum(cache_leftpad.clamp_min(0), end) if cache_leftpad is not None else None
     return start, end

@@ -172,12 +172,19 @@ def check_scalars(softcap: object, window: object, softmax_scale: object = None)
     float window with a RuntimeError. A non-finite scale or cap would make every output NaN."""
     if softcap is not None and not (is_number(softcap) and 0 < softcap < math.inf):
         raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-    if softmax_scale is not None and not (is_number(softmax_scale) and math.isfinite(softmax_scale)):
+    if softmax_scale is not None:
         if not is_number(softmax_scale):
             raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
+
+
+def check_return_lse(return_lse: object) -> None:
+    """The Python entry points' ``return_lse`` flag: a bool (a truthy string would pass silently)."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
 
 
 def _check_vector(name: str, x: object, n: int, what: str, device: torch.device, per_tensor: bool = False) -> None:

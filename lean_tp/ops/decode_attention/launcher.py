@@ -439,13 +439,13 @@ def launch_args(
     # overflow, move the kernel's walk backwards or send a read or a write out of bounds; left
     # padding only shifts where the keys are read.
     start, end = valid_keys(cache_seqlens, cache_leftpad, layout.capacity)
-    lengths = end - start if cache_leftpad is not None else end
+    lengths = end - start if start is not None else end
     # Scores in the log2 domain; with a softcap, the argument of the exp2 form of tanh (see _attend).
     log2_scale = softmax_scale * math.log2(math.e)
     placeholder = lengths  # passed for pointers the variant never reads
     args = {
         "q_ptr": q, "k_ptr": k_cache, "v_ptr": v_cache, "seqlens_ptr": lengths,
-        "leftpad_ptr": start if cache_leftpad is not None else placeholder,
+        "leftpad_ptr": start if start is not None else placeholder,
         "bt_ptr": block_table if layout.paged else placeholder,
         "out_ptr": out, "lse_ptr": lse, "ws_acc_ptr": workspace[0], "ws_ml_ptr": workspace[1], "counter_ptr": counters,
         "k_scale_ptr": k_scale if k_scale is not None else placeholder,

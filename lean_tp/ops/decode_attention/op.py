@@ -13,6 +13,7 @@ from torch.library import triton_op, wrap_triton
 from lean_tp.ops.decode_attention.checks import (
     call_features,
     check_inputs,
+    check_return_lse,
     check_scalars,
     check_types,
     scale_tensor,
@@ -122,8 +123,7 @@ def decode_attention(
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_leftpad=cache_leftpad, sinks=sinks)
     check_scalars(softcap, window, softmax_scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
+    check_return_lse(return_lse)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)

@@ -122,16 +122,15 @@ def _keys_to_read(end: torch.Tensor, capacity: int) -> int:
     return capacity
 
 
-def _row_bounds(start: torch.Tensor, end: torch.Tensor, num_tokens: int, group: int, window: int | None):
+def _row_bounds(start: torch.Tensor | None, end: torch.Tensor, num_tokens: int, group: int, window: int | None):
     """Key positions [lo, hi) each row sees, as (B, 1, Tq * group, 1), from the sequences' valid keys
-    [start, end) (B,): row t * group + g is query token t, at cache position end - Tq + t, which
-    sees itself and the keys before it."""
+    [start, end) (B,; start None: 0): row t * group + g is query token t, at cache position
+    end - Tq + t, which sees itself and the keys before it."""
     t = torch.arange(num_tokens, device=end.device).repeat_interleave(group)
     hi = end.view(-1, 1) - num_tokens + 1 + t
-    lo = start.view(-1, 1).expand_as(hi)
+    lo = start.view(-1, 1).expand_as(hi) if start is not None else torch.zeros_like(hi)
     if window is not None:
         lo = torch.maximum(lo, hi - window)
-    hi = torch.maximum(hi, lo)
     return lo[:, None, :, None], hi[:, None, :, None]
 
 
