@@ -40,7 +40,7 @@ import torch
 from lean_tp import cli
 from lean_tp.ops.decode_attention.launcher import kernel_constexprs, lean_schedule, merge_plan
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
-from lean_tp.ops.decode_attention.tuning import config_for
+from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, config_for
 from lean_tp.ops.utils import interpreted, map_in_processes
 
 METHODS = ("lean", "fa2", "flex")
@@ -256,8 +256,10 @@ def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel) 
     return gpu.l2_latency_us * (1 + math.ceil(members / wave)) + members * partial_bytes / (gpu.l2_port_gbps * 1e3)
 
 
-def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
-    """The kernel's stream-K schedule and merge tree on ``gpu``, in modelled time."""
+def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None,
+                      batch_invariant: bool = False) -> Schedule:  # fmt: skip
+    """The kernel's stream-K schedule and merge tree on ``gpu``, in modelled time (with
+    ``batch_invariant``, the same schedule and the invariant mode's merges: ``_invariant_merges``)."""
     config = lean_config(problem, gpu)
     per_sm = programs_per_sm or config.max_programs_per_sm
     dtype = ELEM_DTYPES[problem.elem_size]
@@ -289,7 +291,9 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
     end, chain = kv_end, 0
     plan = merge_plan(programs)
-    for groups in plan.values():
+    if batch_invariant:
+        end, chain = _invariant_merges(programs, seg_end, kv_end, partial, gpu)
+    for groups in plan.values() if not batch_invariant else ():
         done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), cx["WAVE"], partial, gpu) for g in groups]
         finish = max(done)
         if len(groups) > 1:
@@ -298,6 +302,34 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
         chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
     return Schedule("lean", sms, units=len(programs), splits=len(plan), sm_work=work, time_us=end, merge_us=end - kv_end,
                     chain=chain, merge_bytes=chain * partial, bars=bars)  # fmt: skip
+
+
+def _invariant_merges(programs, seg_end: dict, kv_end: float, partial: int, gpu: GPUModel) -> tuple[float, int]:
+    """(end, longest chain of partials) of the batch-invariant mode's merges (``invariant.py``). For
+    each split output, each group of ``INVARIANT_GROUP_CHUNKS`` chunks is ready when its holders'
+    segments end; a group with several holders is then merged from its first holder's fold and
+    each later chunk's partial, and the output from its groups' values, both as sequential folds:
+    one L2 round trip per partial (the loads are not assumed to overlap) plus the arrival atomic."""
+    holders: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for p, segments in enumerate(programs):
+        for s in segments:
+            if s.contributors > 1:
+                holders.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, seg_end[(p, s.slot)]))
+    end, chain = kv_end, 0
+    for pieces in holders.values():
+        n = max(first + n_tiles for first, n_tiles, _ in pieces)
+        groups = []
+        for g0 in range(0, n, INVARIANT_GROUP_CHUNKS):
+            g1 = min(g0 + INVARIANT_GROUP_CHUNKS, n)
+            own = sorted(x for x in pieces if x[0] < g1 and x[0] + x[1] > g0)
+            ready = max(t for _, _, t in own)
+            loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
+            if loads:
+                ready += _merge_level_us(loads, 1, partial, gpu)
+            groups.append((ready, loads))
+        end = max(end, max(r for r, _ in groups) + _merge_level_us(len(groups), 1, partial, gpu))
+        chain = max(chain, max(c for _, c in groups) + len(groups))
+    return end, chain
 
 
 def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: int, block_n: int,
@@ -333,10 +365,11 @@ def fixed_split_schedule(method: str, problem: Problem, gpu: GPUModel, splits: i
 
 
 def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
-    """Lean, FA2 and Flex plans of one problem on ``gpu``."""
+    """Lean (default and batch-invariant), FA2 and Flex plans of one problem on ``gpu``."""
     fa2, block_n = fa2_splits(problem, gpu.sms)
     return {
         "lean": lean_sim_schedule(problem, gpu, programs_per_sm),
+        "lean_invariant": lean_sim_schedule(problem, gpu, programs_per_sm, batch_invariant=True),
         "fa2": fixed_split_schedule("fa2", problem, gpu, fa2, block_n, programs_per_sm),
         "flex": fixed_split_schedule("flex", problem, gpu, flex_splits(problem, gpu.sms), 64, programs_per_sm),
     }
@@ -381,14 +414,15 @@ def table_rows_parallel(problems: list[Problem], gpus: list[str], programs_per_s
 
 def format_table(rows: list[dict]) -> str:
     head = ("| GPU | problem | lean us | lean merge us | chain | merge KB | programs | lean BW | FA2 splits | FA2 us "
-            "| FA2 combine us | Flex splits | Flex us | vs FA2 | vs Flex |")  # fmt: skip
-    lines = [head, "|" + "---|" * 15]
+            "| FA2 combine us | Flex splits | Flex us | vs FA2 | vs Flex | invariant us | invariant / lean |")  # fmt: skip
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         lines.append(
             f"| {r['gpu']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_chain']} "
             f"| {r['lean_merge_kb']:.0f} "
             f"| {r['lean_programs']} | {r['lean_bw']:.2f} | {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} "
-            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {_ratio(r['speedup_vs_fa2'])} | {_ratio(r['speedup_vs_flex'])} |"
+            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {_ratio(r['speedup_vs_fa2'])} | {_ratio(r['speedup_vs_flex'])} "
+            f"| {r['lean_invariant_us']:.1f} | {_ratio(r['speedup_vs_lean_invariant'])} |"
         )
     return "\n".join(lines)
 

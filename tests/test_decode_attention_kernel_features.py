@@ -20,7 +20,8 @@ import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, kernel_support
-from lean_tp.ops.decode_attention.kernel import _e4m3_words_to_f16, decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.attend import _e4m3_words_to_f16
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import (
     alloc_workspace,
     decode_attention_fwd,

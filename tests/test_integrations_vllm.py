@@ -339,3 +339,47 @@ def test_cpu_metadata_keeps_the_pages_in_use(vllm_config):
     case.metadata = builder.build(0, common)
     assert case.metadata.block_table.shape == (2, 3)  # 41 keys: 3 pages of 16
     check(forward(case), case.ref, torch.float32)
+
+
+def _decode_sub_batch(vllm_config, case, rows, spec):
+    """Metadata of the decode requests ``rows`` (one query token each) of a decode-only case, in
+    that order, over the same cache: the same requests in another batch."""
+    c = case.common
+    n = len(rows)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    seq_lens = c.seq_lens[rows]
+    common = CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=seq_lens, num_reqs=n,
+        num_actual_tokens=n, max_query_len=1, max_seq_len=int(seq_lens.max()),
+        block_table_tensor=c.block_table_tensor[rows], slot_mapping=c.slot_mapping[rows],
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )  # fmt: skip
+    builder = LeanAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+    return builder.build(0, common)
+
+
+@pytest.mark.parametrize("op_backend", ["auto", "triton"])
+def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(vllm_config, lean_calls, monkeypatch,
+                                                                         op_backend):  # fmt: skip
+    """VLLM_BATCH_INVARIANT=1: vLLM accepts the backend, and a decode request's output rows are
+    bitwise the same alone and inside batches of other decodes (on CPU's torch path and on the
+    Triton kernel in the interpreter)."""
+    if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
+    assert _reasons(use_batch_invariant=True) == []
+    requests = [(300, 1), (0, 1), (15, 1), (17, 1), (700, 1)]
+    case = make_case(vllm_config, requests, dtype=torch.float16, heads=(8, 2), window=500, use_sinks=True, seed=11)
+    assert case.impl.batch_invariant
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    rows_of = {}
+    for rows in ([0], [4], [0, 1, 2, 3, 4], [3, 0, 4], [4, 2, 1, 0]):
+        meta = _decode_sub_batch(vllm_config, case, rows, spec)
+        output = torch.full((len(rows), *case.query.shape[1:]), float("nan"), dtype=case.query.dtype)
+        case.impl.forward(case.layer, case.query[rows], case.k_new[rows], case.v_new[rows], case.kv_cache, meta, output)
+        check(output, case.ref[rows], torch.float16)
+        for j, r in enumerate(rows):
+            want = rows_of.setdefault(r, output[j])
+            assert torch.equal(output[j].view(torch.int16), want.view(torch.int16)), f"request {r} in batch {rows}"
+    assert len(lean_calls) == 5

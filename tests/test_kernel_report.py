@@ -154,7 +154,7 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
 def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     """Every fp8 entry (both formats, every head dim): no spills in the K/V loop, 16-byte K and V
     loads, K/V double-buffered, 2+ programs per SM for D <= 128. V's 16-byte copies are the sign
-    that the tile is converted after a row-wise read from shared memory (``kernel._opaque``):
+    that the tile is converted after a row-wise read from shared memory (``attend._opaque``):
     converted inside the dot operand's load, V is copied 8 bytes at a time and read byte by byte,
     and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md). sm_80 e4m3
     is read as words (0.37-0.42; read as bytes, 0.47-0.49)."""

@@ -29,7 +29,7 @@ from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import (
     MAX_QUERY_TOKENS,
     check_inputs,
-    check_return_lse,
+    check_flag,
     check_types,
     scale_tensor,
 )
@@ -214,7 +214,7 @@ def context_parallel_attention(
         out (q's shape and dtype), and lse (float32, q's shape without D) when ``return_lse``.
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, sinks=sinks)
-    check_return_lse(return_lse)
+    check_flag("return_lse", return_lse)
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     # Every rank checks the whole call, so a bad argument fails on all of them, not only where it is used.
     # cache_seqlens are global: the local calls check their own lengths against the local cache.

@@ -64,6 +64,9 @@ FEATURES = {
     "tq4_window": {"num_tokens": 4, "window": True},
     "all": {"num_tokens": 4, "fp8": torch.float8_e4m3fn, "softcap": True, "window": True, "sinks": True},
     "v_strides": {"kv_strides_differ": True},  # V's strides not K's: addresses formed twice
+    "invariant": {"batch_invariant": True},
+    "all_invariant": {"num_tokens": 4, "fp8": torch.float8_e4m3fn, "softcap": True, "window": True, "sinks": True,
+                      "batch_invariant": True},
 }
 # Head dims that are not a power of two (Phi-3's 96, and others models use), padded by the kernel.
 PADDED_HEAD_DIMS = (40, 80, 96, 112, 160, 192)
@@ -105,7 +108,8 @@ class KernelStats:
     @property
     def kv_tile_bytes(self) -> int:
         """K and V bytes one K/V-loop iteration reads (BLOCK_N keys of each)."""
-        elem = 1 if self.features.startswith("fp8") or self.features == "all" else DTYPES[self.dtype].itemsize
+        fp8 = FEATURES[self.features].get("fp8")
+        elem = fp8.itemsize if fp8 is not None else DTYPES[self.dtype].itemsize
         return 2 * self.block_n * self.head_dim * elem
 
     @property

@@ -83,7 +83,7 @@ def test_compile_fullgraph_with_every_feature_cuda():
 def test_fp8_e4m3_as_bytes_compiled_matches_the_native_conversion():
     """sm_80's e4m3 path (bytes, integer moves to fp16, scales x 2^8), compiled for this GPU, gives
     bitwise the result of the native fp8 conversion; the CPU test runs both in the interpreter,
-    which does not run the staging of the compiled kernel (``kernel._opaque``)."""
+    which does not run the staging of the compiled kernel (``attend._opaque``)."""
     from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
     from lean_tp.ops.decode_attention.launcher import alloc_workspace, counters_size, launch_args
     from lean_tp.ops.decode_attention.tuning import get_config

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm import envs
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -104,6 +105,11 @@ class LeanAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # Under VLLM_BATCH_INVARIANT=1 decode runs the op's batch-invariant mode (the impl reads it).
         return True
 
     @classmethod
@@ -228,6 +234,8 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
         self.op_backend = op_backend()
+        # vLLM's batch-invariant mode: a request's decode bits must not depend on its batch-mates.
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         self.delegate = None
         if _triton_delegate():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -298,7 +306,7 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             if meta.decode_query_len > 1:
                 q = q.view(meta.num_decodes, meta.decode_query_len, *q.shape[1:])
             out = decode_attention(q, key_cache, value_cache, meta.seq_lens, block_table=meta.block_table,
-                                   backend=self.op_backend, **features)  # fmt: skip
+                                   backend=self.op_backend, batch_invariant=self.batch_invariant, **features)  # fmt: skip
             output[:split].copy_(out.view(split, *out.shape[-2:]))
         if meta.prefill is None:
             return output

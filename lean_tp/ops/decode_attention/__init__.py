@@ -1,6 +1,7 @@
 """LeanAttention decode, one folder for the whole op.
 
     kernel.py     the Triton kernel            schedule.py   its device-side stream-K schedule
+    attend.py     the kernel's K/V loop        merge.py      its merge tree; invariant.py: batch-invariant fold
     launcher.py   grid sizing, workspace       op.py         torch.library registration, public API
     tuning.py     the launch-constant table    cache.py      the KV-cache description
     checks.py     input validation, and which calls the kernel takes

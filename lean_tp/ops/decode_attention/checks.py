@@ -181,10 +181,11 @@ def check_scalars(softcap: object, window: object, softmax_scale: object = None)
         raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
 
 
-def check_return_lse(return_lse: object) -> None:
-    """The Python entry points' ``return_lse`` flag: a bool (a truthy string would pass silently)."""
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}")
+def check_flag(name: str, value: object) -> None:
+    """A flag of the Python entry points (``return_lse``, ``batch_invariant``): a bool (a truthy
+    string would pass silently)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_vector(name: str, x: object, n: int, what: str, device: torch.device, per_tensor: bool = False) -> None:

@@ -20,6 +20,7 @@ from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.schedule import SEGMENT_FIELDS, lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
     INTERPRETER_PROGRAMS,
+    INVARIANT_GROUP_CHUNKS,
     MAX_CONTRIBUTORS,
     MERGE_FANIN,
     MIN_TILES_PER_PROGRAM,
@@ -43,6 +44,8 @@ class KernelFeatures:
     # V's (row, token, head) strides differ from K's; otherwise a paged kernel forms each key's
     # address once for K and V (``DecodeConfig.share_kv_addresses``).
     kv_strides_differ: bool = False
+    # Each output's bits depend on its own inputs alone (``invariant.py``), not on the batch.
+    batch_invariant: bool = False
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
@@ -53,7 +56,7 @@ def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
 
 def e4m3_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What an E4M3_BITS kernel reads of float8_e4m3fn caches: int32 words of four bytes, which
-    ``kernel._e4m3_words_to_f16`` converts two values per instruction, where both caches allow it
+    ``attend._e4m3_words_to_f16`` converts two values per instruction, where both caches allow it
     (head dim, offset and strides multiples of 4 bytes); else bytes (uint8), one value at a time."""
     def words(c: torch.Tensor) -> bool:
         return c.shape[-1] % 4 == 0 and c.storage_offset() % 4 == 0 and all(x % 4 == 0 for x in c.stride()[:-1])
@@ -94,6 +97,8 @@ def kernel_constexprs(
         "HAS_SCALES": features.fp8 is not None,
         "E4M3_BITS": e4m3_as_bits(features.fp8, arch),
         "SAME_KV_STRIDES": page_size is not None and config.share_kv_addresses and not features.kv_strides_differ,
+        "INVARIANT": features.batch_invariant,
+        "IGROUP": INVARIANT_GROUP_CHUNKS,
     }
 
 
@@ -262,27 +267,53 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def alloc_workspace(num_programs: int, block_g: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def alloc_workspace(
+    num_programs: int, block_g: int, head_dim: int, device: torch.device | str, group_slots: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials of two segments per program: acc (G, 2, BLOCK_G, BLOCK_D) and (m, l) (G, 2, 2, BLOCK_G),
-    fp32; BLOCK_D is head_dim padded as the kernel pads it.
+    fp32; BLOCK_D is head_dim padded as the kernel pads it. Its size depends on the grid alone,
+    never on lengths: a program contributes partials to at most two outputs, the one its range
+    starts in and the one it ends in.
 
-    Its size depends on the grid alone, never on lengths: a program contributes partials to at
-    most two outputs, the one its range starts in and the one it ends in.
+    With ``group_slots`` (``invariant_group_slots``: the batch-invariant mode), acc (S, BLOCK_G,
+    BLOCK_D) and (m, l) (S, 2, BLOCK_G) for S = G * INVARIANT_GROUP_CHUNKS + group_slots slots
+    (``invariant.py`` lays them out), sized from shapes, never from lengths.
     """
-    ws_acc = torch.empty(num_programs, 2, block_g, padded_head_dim(head_dim), device=device, dtype=torch.float32)
-    ws_ml = torch.empty(num_programs, 2, 2, block_g, device=device, dtype=torch.float32)
+    block_d = padded_head_dim(head_dim)
+    if group_slots is None:
+        lead: tuple[int, ...] = (num_programs, 2)
+    else:
+        lead = (num_programs * INVARIANT_GROUP_CHUNKS + group_slots,)
+    ws_acc = torch.empty(*lead, block_g, block_d, device=device, dtype=torch.float32)
+    ws_ml = torch.empty(*lead, 2, block_g, device=device, dtype=torch.float32)
     return ws_acc, ws_ml
 
 
-def check_workspace(workspace: object, num_programs: int, block_g: int, head_dim: int) -> None:
+def invariant_groups(capacity: int, max_span: int, tile_n: int) -> int:
+    """Most chunk groups one output has in the batch-invariant mode (every length is clamped to
+    the capacity, and at most ``max_span`` keys are tiled)."""
+    tiles = -(-min(capacity, max_span) // tile_n)
+    return -(-tiles // INVARIANT_GROUP_CHUNKS)
+
+
+def invariant_group_slots(batch: int, head_units: int, capacity: int, max_span: int, tile_n: int) -> int:
+    """Workspace slots of group values in the batch-invariant mode: one per group of each output."""
+    return batch * head_units * invariant_groups(capacity, max_span, tile_n)
+
+
+def check_workspace(
+    workspace: object, num_programs: int, block_g: int, head_dim: int, group_slots: int | None = None
+) -> None:
     """``ValueError`` unless ``workspace`` is a pair of contiguous float32 tensors with
     ``alloc_workspace``'s shapes (the kernel writes every slot of a grid-sized workspace)."""
-    expected = [(tuple(w.shape), torch.float32) for w in alloc_workspace(num_programs, block_g, head_dim, torch.device("meta"))]
+    expected = [(tuple(w.shape), torch.float32)
+                for w in alloc_workspace(num_programs, block_g, head_dim, "meta", group_slots)]  # fmt: skip
     parts = list(workspace) if isinstance(workspace, (tuple, list)) else [workspace]
     got = [(tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w).__name__ for w in parts]
     if got != expected or not all(w.is_contiguous() for w in parts):
         raise ValueError(f"workspace: expected contiguous tensors (shape, dtype) {expected} "
-                         f"(alloc_workspace({num_programs}, {block_g}, {head_dim})), got {got}")  # fmt: skip
+                         f"(alloc_workspace({num_programs}, {block_g}, {head_dim}, group_slots={group_slots})), "
+                         f"got {got}")  # fmt: skip
 
 
 def decode_attention_fwd(
@@ -299,6 +330,7 @@ def decode_attention_fwd(
     softcap: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     num_programs: int | None = None,
     num_sms: int | None = None,
     config: DecodeConfig | None = None,
@@ -320,7 +352,7 @@ def decode_attention_fwd(
         cache_leftpad: (B,) int32 or None: sequence b's keys are cache positions
             [cache_leftpad[b], cache_seqlens[b]) instead of [0, cache_seqlens[b]).
         k_scale, v_scale: (Hkv,) or (1,) float32, fp8 caches only.
-        softcap, window: as in ``lean_tp.decode_attention``; sinks: (Hq,) float32 or None.
+        softcap, window, batch_invariant: as in ``lean_tp.decode_attention``; sinks: (Hq,) float32 or None.
         num_programs: grid size override (tests force tiny and huge grids); default ``grid_size``.
         num_sms: SMs the grid is spread over (``num_programs`` a multiple of it); default the
             device's with the default grid, else ``num_programs`` (one program per SM).
@@ -331,8 +363,9 @@ def decode_attention_fwd(
             them merges partials wrongly: zero them (``counters.zero_()``) after such a failure.
         out, lse: preallocated results of the shapes returned (tests pass NaN-filled ones to catch
             unwritten elements).
-        workspace: preallocated ``alloc_workspace`` buffers; their contents are never read before
-            they are written.
+        workspace: preallocated ``alloc_workspace`` buffers (with ``group_slots`` from
+            ``invariant_group_slots`` when ``batch_invariant``); their contents are never read
+            before they are written.
         launch: wraps the kernel before launch (``torch.library.wrap_triton`` under the op).
 
     Returns:
@@ -341,7 +374,7 @@ def decode_attention_fwd(
     q4 = q if q.dim() == 4 else q[:, None]
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     head_dim, group = q.shape[-1], q.shape[-2] // layout.num_kv_heads
-    features = features_of(q4, layout, softcap, window, sinks)
+    features = features_of(q4, layout, softcap, window, sinks, batch_invariant)
     config = config or get_config(q.device, head_dim, q.dtype, layout.dtype)
     if num_programs is None:
         num_programs = grid_size(q.device, q.dtype, head_dim, group, layout.page_size, features, cache_leftpad is not None)
@@ -357,17 +390,21 @@ def decode_attention_fwd(
         raise ValueError(f"out, lse: expected contiguous tensors, got strides {out.stride()} and {lse.stride()}")
     out4, lse4 = out.view(q4.shape), lse.view(q4.shape[:-1])
     rows = kernel_constexprs(config, head_dim, group, q.dtype, layout.page_size, features=features)
+    group_slots = None
+    if batch_invariant:
+        group_slots = invariant_group_slots(q.shape[0], layout.num_kv_heads * rows["NUM_GC"], layout.capacity,
+                                            span_limit(window, q4.shape[1]), config.tile_n)  # fmt: skip
     if workspace is None:
-        workspace = alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device)
+        workspace = alloc_workspace(num_programs, rows["BLOCK_G"], head_dim, q.device, group_slots)
     else:
-        check_workspace(workspace, num_programs, rows["BLOCK_G"], head_dim)
+        check_workspace(workspace, num_programs, rows["BLOCK_G"], head_dim, group_slots)
     if counters is None:
         counters = torch.zeros(counters_size(num_programs), device=q.device, dtype=torch.int32)
     elif counters.numel() < counters_size(num_programs):
         raise ValueError(f"counters: expected at least {counters_size(num_programs)} elements, got {counters.numel()}")
     args = launch_args(q4, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, out4, lse4, workspace, counters,
                        softmax_scale, num_programs, config, k_scale, v_scale, softcap, window, sinks,
-                       num_sms=num_sms)  # fmt: skip
+                       num_sms=num_sms, batch_invariant=batch_invariant)  # fmt: skip
     with device_guard(q.device):
         launch(decode_attention_fwd_kernel)[(num_programs,)](**args, **config.compile_options(layout.paged, args["BLOCK_G"]))
     return out, lse
@@ -380,12 +417,13 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def features_of(
-    q4: torch.Tensor, layout: CacheLayout, softcap: float | None, window: int | None, sinks: torch.Tensor | None
+    q4: torch.Tensor, layout: CacheLayout, softcap: float | None, window: int | None, sinks: torch.Tensor | None,
+    batch_invariant: bool = False,
 ) -> KernelFeatures:
     """The kernel variant a call needs; q4 is (B, Tq, Hq, D)."""
     fp8 = layout.dtype if layout.dtype != q4.dtype else None
     return KernelFeatures(q4.shape[1], fp8, softcap is not None, window is not None, sinks is not None,
-                          layout.k_strides != layout.v_strides)  # fmt: skip
+                          layout.k_strides != layout.v_strides, batch_invariant)  # fmt: skip
 
 
 def _stride_align(strides: tuple[int, ...], element_size: int) -> int:
@@ -398,6 +436,12 @@ def _stride_align(strides: tuple[int, ...], element_size: int) -> int:
 
 # More keys than any cache holds: without a window every valid key is tiled.
 NO_SPAN_LIMIT = 2**30
+
+
+def span_limit(window: int | None, num_tokens: int) -> int:
+    """Keys of a sequence that any of its ``num_tokens`` queries sees: ``window + Tq - 1`` with a
+    window, else all of them (``NO_SPAN_LIMIT``)."""
+    return window + num_tokens - 1 if window is not None else NO_SPAN_LIMIT
 
 
 def check_tile_count(batch: int, head_units: int, capacity: int, tile_n: int) -> None:
@@ -417,7 +461,7 @@ def launch_args(
     workspace: tuple[torch.Tensor, torch.Tensor], counters: torch.Tensor, softmax_scale: float, num_programs: int,
     config: DecodeConfig, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     softcap: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-    arch: str | None = None, num_sms: int | None = None,
+    arch: str | None = None, num_sms: int | None = None, batch_invariant: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Every argument of ``decode_attention_fwd_kernel`` by name; q, out (B, Tq, Hq, D), lse
     (B, Tq, Hq), other shapes as in ``decode_attention_fwd``. ``arch``: the target's tuning key,
@@ -425,7 +469,7 @@ def launch_args(
     program."""
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = q.shape[2] // layout.num_kv_heads
-    features = features_of(q, layout, softcap, window, sinks)
+    features = features_of(q, layout, softcap, window, sinks, batch_invariant)
     arch = arch or arch_of(q.device)
     constexprs = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size, cache_leftpad is not None,
                                    features, arch)  # fmt: skip
@@ -454,7 +498,8 @@ def launch_args(
         "qk_scale": 2 * log2_scale / softcap if softcap is not None else log2_scale,
         "cap_log2": softcap * math.log2(math.e) if softcap is not None else 0.0,
         "B": q.shape[0], "HKV": layout.num_kv_heads, "num_programs": num_programs, "num_sms": num_sms or num_programs,
-        "max_span": window + q.shape[1] - 1 if window is not None else NO_SPAN_LIMIT,
+        "max_span": span_limit(window, q.shape[1]),
+        "max_groups": invariant_groups(layout.capacity, span_limit(window, q.shape[1]), config.tile_n),
         "window": window if window is not None else NO_SPAN_LIMIT,
         "stride_qb": q.stride(0), "stride_qt": q.stride(1), "stride_qh": q.stride(2),
         "stride_kb": layout.k_strides[0], "stride_kn": layout.k_strides[1], "stride_kh": layout.k_strides[2],

@@ -1,7 +1,7 @@
 """The merge tree of a split output, inside the decode kernel (docs/design.md, "The merge tree"):
 each contributor publishes its partial to the workspace; the last arriver of a group merges the
 group's partials, and the last group merger merges the groups'. Partials are un-normalized
-(acc, m, l) in the log2 domain, as ``kernel._attend`` leaves them."""
+(acc, m, l) in the log2 domain, as ``attend._attend`` leaves them."""
 
 import triton
 import triton.language as tl

@@ -13,7 +13,7 @@ from torch.library import triton_op, wrap_triton
 from lean_tp.ops.decode_attention.checks import (
     call_features,
     check_inputs,
-    check_return_lse,
+    check_flag,
     check_scalars,
     check_types,
     scale_tensor,
@@ -44,6 +44,7 @@ def decode_attention_op(
     softcap: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered op; see ``decode_attention`` for the arguments (fp8 scales as float32 tensors).
     Returns (out, lse)."""
@@ -56,15 +57,16 @@ def decode_attention_op(
         return decode_attention_fwd(
             q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
             cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
-            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, launch=_launch,
+            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
+            batch_invariant=batch_invariant, launch=_launch,
         )  # fmt: skip
     return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad,
-                                  k_scale, v_scale, softcap, window, sinks)  # fmt: skip
+                                  k_scale, v_scale, softcap, window, sinks, batch_invariant)  # fmt: skip
 
 
 @decode_attention_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, softmax_scale, backend,
-      k_scale=None, v_scale=None, softcap=None, window=None, sinks=None):  # fmt: skip
+      k_scale=None, v_scale=None, softcap=None, window=None, sinks=None, batch_invariant=False):  # fmt: skip
     check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
                  k_scale, v_scale, softcap, window, sinks, softmax_scale)  # fmt: skip
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -87,6 +89,7 @@ def decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of the newest query tokens of each sequence against its KV cache (LeanAttention).
 
@@ -114,6 +117,10 @@ def decode_attention(
         window: the last ``window`` keys up to each query's position, itself included.
         sinks: (Hq,) float32 on q's device: one extra logit per query head in the softmax
             denominator (not scaled or capped), with no value.
+        batch_invariant: make each sequence's out and lse bitwise independent of the rest of the
+            batch (its batch-mates, their number, lengths and order; docs/design.md,
+            "Batch-invariant mode"). Costs a little speed (docs/BENCHMARKS.md); same values up to
+            rounding.
 
     Returns:
         out in q's shape and dtype, or (out, lse) when ``return_lse``; lse is float32, q's shape
@@ -123,7 +130,8 @@ def decode_attention(
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                 cache_leftpad=cache_leftpad, sinks=sinks)
     check_scalars(softcap, window, softmax_scale)
-    check_return_lse(return_lse)
+    check_flag("return_lse", return_lse)
+    check_flag("batch_invariant", batch_invariant)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
@@ -131,6 +139,6 @@ def decode_attention(
         softcap = float(softcap)
     out, lse = torch.ops.lean_tp.decode_attention(
         q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, float(softmax_scale), backend,
-        k_scale, v_scale, softcap, window, sinks,
+        k_scale, v_scale, softcap, window, sinks, batch_invariant,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -38,17 +38,21 @@ def merge_partials(
 
 
 def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table, n_keys: int):
-    """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D), covering positions [0, n_keys)."""
+    """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D), covering positions [0, n_keys)
+    (paged: up to the end of n_keys's last page). The chunks stop there, not at the cache's end, so
+    their shapes come from n_keys alone."""
     if not layout.paged:
         for n0 in range(0, n_keys, CHUNK_TOKENS):
-            yield n0, k_cache[:, :, n0 : n0 + CHUNK_TOKENS], v_cache[:, :, n0 : n0 + CHUNK_TOKENS]
+            n1 = min(n0 + CHUNK_TOKENS, n_keys)
+            yield n0, k_cache[:, :, n0:n1], v_cache[:, :, n0:n1]
         return
     page_size = layout.page_size
     pages_per_chunk = max(1, CHUNK_TOKENS // page_size)
     # Entries past a sequence's length may hold anything; clamp so the gather stays in bounds.
     table = block_table.long().clamp(0, k_cache.shape[0] - 1)
-    for p0 in range(0, -(-n_keys // page_size), pages_per_chunk):
-        pages = table[:, p0 : p0 + pages_per_chunk]
+    n_pages = -(-n_keys // page_size)
+    for p0 in range(0, n_pages, pages_per_chunk):
+        pages = table[:, p0 : min(p0 + pages_per_chunk, n_pages)]
         k = k_cache[pages].flatten(1, 2).transpose(1, 2)
         v = v_cache[pages].flatten(1, 2).transpose(1, 2)
         yield p0 * page_size, k, v
@@ -67,13 +71,29 @@ def decode_attention_torch(
     softcap: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention in plain torch; arguments as ``lean_tp.decode_attention`` (q (B, Hq, D) or
     (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors. Returns (out, lse).
 
     The Tq tokens and the group's query heads of one KV head are one block of rows (token-major),
-    as in the kernel, so each K/V chunk is read once for all of them.
+    as in the kernel, so each K/V chunk is read once for all of them. ``batch_invariant`` computes
+    one sequence at a time: torch's CPU reductions split their work by the size of the whole
+    tensor, and the chunks stop at the batch's longest sequence, so a batch's shape would reach
+    each sequence's rounding.
     """
+    if batch_invariant and q.shape[0] > 1:
+        paged = block_table is not None
+        parts = [
+            decode_attention_torch(
+                q[b : b + 1], k_cache if paged else k_cache[b : b + 1], v_cache if paged else v_cache[b : b + 1],
+                cache_seqlens[b : b + 1], block_table[b : b + 1] if paged else None, softmax_scale,
+                cache_leftpad[b : b + 1] if cache_leftpad is not None else None, k_scale, v_scale, softcap, window,
+                sinks,
+            )  # fmt: skip
+            for b in range(q.shape[0])
+        ]
+        return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     q4 = q if q.dim() == 4 else q[:, None]
     batch, num_tokens, num_q_heads, head_dim = q4.shape
     layout = CacheLayout.of(k_cache, v_cache, block_table)

@@ -91,6 +91,14 @@ MERGE_FANIN = 8
 # so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
 MAX_CONTRIBUTORS = MERGE_FANIN**2
 
+# Batch-invariant mode (invariant.py): chunks of an output are folded in fixed groups of this many,
+# then the groups' values are folded. A split output's merge then loads at most
+# INVARIANT_GROUP_CHUNKS - 1 chunk partials plus one value per group: at 128k keys and 128-key
+# tiles, 15 + 64 loads instead of 1023 for a flat fold. The group values' workspace is one
+# BLOCK_G x BLOCK_D fp32 partial (D=128: 8 KB) per 16 tiles of each sequence's capacity and head
+# unit (D=128 fp16: 2048 keys, 1 MB of K and V): 0.8% of the cache it covers.
+INVARIANT_GROUP_CHUNKS = 16
+
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
 INTERPRETER_PROGRAMS = 4

@@ -1,0 +1,165 @@
+"""The K/V loop of the decode kernel: one program's un-normalized partial over a range of keys.
+
+Scores are kept in the log2 domain (``qk * scale * log2(e)``, ``exp2``). Every value is upcast to
+fp32 right after loading except the ``tl.dot`` operands, which are in q's dtype so tensor cores do
+the products (fp32 uses "ieee"; an fp8 cache is converted to q's dtype after loading, and its
+scales are folded into the score and output scales).
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.merge import _ref_max
+
+E4M3_BITS_SCALE = tl.constexpr(256.0)  # see _upcast
+# Read when the module is imported, as ``triton.jit`` reads it; compiled kernels never see the branch.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# The Triton interpreter computes bf16 arithmetic wrongly (numpy has no bf16; its loads, stores and
+# conversions are exact), so there q is upcast on loading and the dots take fp32 operands.
+BF16_DOTS_IN_FP32 = INTERPRETED
+
+
+@triton.jit
+def _kv_index(bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              BLOCK_IN_PAGE: tl.constexpr):
+    """(row, position in row) of tokens o_n (n_first first) of sequence b: (b, token) or, when
+    paged, (page, slot). BLOCK_IN_PAGE: the caller knows they lie in one page."""
+    # One return: the two branches give different types (tensor vs scalar row); a constexpr if
+    # generates only the taken one, but separate returns must agree in type.
+    if PAGED:
+        # A shift and a mask, not // and %: PAGE_SIZE is a power of two and positions are never
+        # negative, which the compiler cannot know (signed division costs a rounding fix per key).
+        bt_row = bt_ptr + tl.cast(b, tl.int64) * stride_bt
+        if BLOCK_IN_PAGE:  # one page id for the block: the row's address is one scalar
+            o_page = tl.load(bt_row + (n_first >> PAGE_SIZE.bit_length() - 1))
+        else:
+            o_page = tl.load(bt_row + (o_n >> PAGE_SIZE.bit_length() - 1), mask=m_n, other=0)
+        o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n & (PAGE_SIZE - 1), tl.int64)
+    else:
+        o_row, o_pos = tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
+    return o_row, o_pos
+
+
+@triton.jit
+def _load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load [rows, BLOCK_D] at pointers p, zero for masked rows and for the padding past HEAD_DIM."""
+    if HEAD_DIM == BLOCK_D:  # no column mask: keeps the loads' vector width provable
+        x = tl.load(p, mask=m_rows[:, None], other=0.0)
+    else:
+        x = tl.load(p, mask=m_rows[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _opaque(x):
+    """x unchanged (16-bit values), through an op that Triton does not move into a dot operand's
+    shared-memory load. Without it, Triton converts an fp8 tile to 16 bits as it loads the dot
+    operand, which reads V (n-major for the P.V product) byte by byte (64 LDS.U8 per thread per
+    block at D=128) and copies it in 8-byte pieces; with it, the tile is read in 16-byte rows,
+    converted, and staged as a 16-bit operand (docs/kernel_report.md, "The fp8 operand path").
+    The ``mov`` costs nothing: ptxas removes it. Not in the interpreter, which runs no PTX."""
+    if INTERPRETED:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
+def _e4m3_words_to_f16(w):
+    """[R, C] int32, four float8_e4m3fn bytes per word (little-endian) -> [R, 4 C] fp16, each
+    value x 2^-8 as ``_upcast`` makes it, two values per 32-bit operation: the odd bytes (each
+    16-bit half's high byte) move right by 1, the even bytes left by 7 (8 for the sign). On sm_80
+    that is 9 instructions per word (4 LOP3, 3 shifts, 2 PRMT pairing the halves), 2.25 per
+    value against 3.3 for bytes. The NaN codes become +-1.875 (a KV cache holds none)."""
+    w = w.to(tl.uint32, bitcast=True)
+    odd = (w & 0x80008000) | ((w >> 1) & 0x3F803F80)
+    even = ((w << 8) & 0x80008000) | ((w << 7) & 0x3F803F80)
+    # [R, C, a, c] holds byte 2a + c of word C: the bytes back in cache order.
+    x = tl.join(tl.join(even.to(tl.uint16), (even >> 16).to(tl.uint16)),
+                tl.join(odd.to(tl.uint16), (odd >> 16).to(tl.uint16)))  # fmt: skip
+    return tl.reshape(x, (w.shape[0], 4 * w.shape[1])).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """K/V values in q's dtype. With E4M3_BITS, x holds float8_e4m3fn values (Triton has no e4m3
+    type before sm_89) as int32 words of four (``launcher.e4m3_operands``: where the caches'
+    offsets and strides allow) or as uint8. A value's sign at an fp16's bit 15 and its 7 low bits
+    at bits 7..13 is the fp16 of value x 2^-8 exactly, subnormals included (the caller multiplies
+    the scales by E4M3_BITS_SCALE = 2^8): a byte gets there sign-extended, shifted left by 7, with
+    bit 14 cleared; words through ``_e4m3_words_to_f16``."""
+    if E4M3_BITS and x.dtype == tl.int32:
+        x = _opaque(_e4m3_words_to_f16(x).to(dtype))
+    elif x.dtype.primitive_bitwidth == 8:
+        if E4M3_BITS:
+            x = ((x.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16385).to(tl.float16, bitcast=True)
+        x = _opaque(x.to(dtype))
+    return x.to(dtype)
+
+
+@triton.jit
+def _attend(
+    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, b_lo, b_hi, qk_scale, cap_log2,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
+):  # fmt: skip
+    """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
+
+    Key i sits at cache position n_base + i. With ROW_MASK (several query tokens) row g sees only
+    keys [b_lo[g], b_hi[g]), so a row may see none of a block or of the whole range: its m stays
+    -inf and its l 0, and its exponentials are taken against 0 instead of -inf. Without it every
+    row sees every key, and the caller guarantees n_lo < n_hi, so m is finite after the first block.
+    With SOFTCAP, qk_scale is 2 log2(e) scale / softcap and the score is
+    ``cap_log2 * tanh(..)`` written with exp2: tanh(x) = 1 - 2 / (e^{2x} + 1).
+    """
+    # A cache of 4-byte words (E4M3_BITS, see _upcast) has a quarter of the columns.
+    PER_COL: tl.constexpr = 4 if k_ptr.dtype.element_ty == tl.int32 else 1
+    o_d = tl.arange(0, BLOCK_D // PER_COL)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_hi
+        # Page ids looked up for this block (one per key, or one for the block with BLOCK_IN_PAGE):
+        # the pipeliner requests them a stage ahead of the K/V copies they address (launched with
+        # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
+        # addresses too.
+        o_row, o_pos = _kv_index(bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
+        p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
+        p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
+        b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
+        if ROW_MASK:
+            m_s = m_n[None, :] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        else:
+            m_s = m_n[None, :]
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_ref = _ref_max(b_m_new, ROW_MASK)
+        b_alpha = tl.exp2(b_m - b_m_ref)
+        b_p = tl.exp2(b_s - b_m_ref[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v = _upcast(_load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _kv_scale(scale_ptr, h_kv, stride, HAS_SCALES: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """fp8 scale of KV head h_kv (stride 0: one for the tensor) in the units ``_upcast`` leaves
+    values in; 1 without scales."""
+    if HAS_SCALES:
+        scale = tl.load(scale_ptr + h_kv * stride)
+        if E4M3_BITS:
+            scale = scale * E4M3_BITS_SCALE
+    else:
+        scale = 1.0
+    return scale

@@ -1,0 +1,206 @@
+"""Batch-invariant mode: a request's out and lse bits do not depend on the batch around it.
+
+Each request of a pool is run alone, then inside batches of random others (other lengths, other
+positions, other grid sizes), and its rows must be bitwise identical. The kernel runs in the
+Triton interpreter with 16-key chunks (``CONFIG``), so that groups of
+``INVARIANT_GROUP_CHUNKS`` chunks, outputs split over several programs and chunks published one
+by one all occur at lengths the interpreter runs quickly; one test uses the table's own entry.
+"""
+
+import random
+
+import pytest
+import torch
+from helpers import ATOL
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
+
+import lean_tp
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.launcher import (
+    alloc_workspace,
+    counters_size,
+    decode_attention_fwd,
+    invariant_group_slots,
+)
+from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, DecodeConfig
+from lean_tp.ops.utils import interpreted
+
+pytestmark = pytest.mark.skipif(not interpreted(decode_attention_fwd_kernel),
+                                reason="runs the kernel in the Triton interpreter (TRITON_INTERPRET=1)")
+
+CHUNK = 16
+CONFIG = DecodeConfig(CHUNK, 16, 64, 4, 1, 1, "tests: 16-key chunks, groups of 256 keys")
+GROUP_KEYS = CHUNK * INVARIANT_GROUP_CHUNKS
+# 0, 1, chunk - 1, chunk, chunk + 1, a group's keys +- 1, and lengths of several groups.
+POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 530, 700]
+
+
+def select(inputs: dict, idx: list[int]) -> dict:
+    """The batch of requests ``idx`` (in that order) of a pool built by ``make_feature_inputs``:
+    their rows of q, lengths, left padding and block table; a paged pool's pages are shared."""
+    paged = inputs["block_table"] is not None
+    rows = torch.tensor(idx, dtype=torch.long)
+    pick = lambda t: None if t is None else t[rows]  # noqa: E731
+    call = dict(inputs, q=inputs["q"][rows], cache_seqlens=pick(inputs["cache_seqlens"]),
+                cache_leftpad=pick(inputs["cache_leftpad"]), block_table=pick(inputs["block_table"]))  # fmt: skip
+    if not paged:
+        call["k_cache"], call["v_cache"] = inputs["k_cache"][rows], inputs["v_cache"][rows]
+    for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
+        if isinstance(call.get(name), float):
+            call[name] = torch.tensor([call[name]])
+    return call
+
+
+def run(inputs: dict, idx: list[int], num_programs: int, batch_invariant: bool = True, config=CONFIG):
+    """The kernel on requests ``idx`` of the pool; out and lse start as NaN, and the merge counters
+    must be back at zero afterwards."""
+    call = select(inputs, idx)
+    q = call["q"]
+    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"))
+    counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
+    decode_attention_fwd(**call, softmax_scale=q.shape[-1] ** -0.5, batch_invariant=batch_invariant,
+                         num_programs=num_programs, config=config, counters=counters, out=out, lse=lse)  # fmt: skip
+    assert not counters.any(), "a merge left its counter set"
+    return out, lse
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def assert_same_bits(got, want, what):
+    for g, w, name in zip(got, want, ("out", "lse")):
+        assert torch.equal(bits(g), bits(w)), f"{what}: {name} differs, max |diff| {(g.float() - w.float()).abs().max()}"
+
+
+def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 13) -> None:
+    """Every request alone (4 programs), against the float64 reference, then ``batches`` random
+    batches of the pool in random order on random grids, bitwise against alone."""
+    n = len(inputs["cache_seqlens"])
+    alone = [run(inputs, [i], 4) for i in range(n)]
+    atol = ATOL[inputs["q"].dtype] * (4 if inputs["k_cache"].dtype.itemsize == 1 else 1)
+    for i, (out, lse) in enumerate(alone):
+        assert_matches_feature_ref(out, lse, select(inputs, [i]), atol)
+    rnd = random.Random(seed)
+    for _ in range(batches):
+        idx = rnd.sample(range(n), rnd.randint(2, n))
+        programs = rnd.randint(1, max_programs)
+        out, lse = run(inputs, idx, programs)
+        for j, i in enumerate(idx):
+            assert_same_bits((out[j], lse[j]), (alone[i][0][0], alone[i][1][0]),
+                             f"request {i} at {j} of batch {idx} on {programs} programs")  # fmt: skip
+
+
+CASES = {
+    "contiguous": dict(layout="contiguous"),
+    "paged16": dict(layout="paged16"),
+    "tq3-window-softcap-sinks-paged16": dict(layout="paged16", tq=3, window=300, softcap=12.0, sinks=True),
+    "fp8-e4m3-per-head-scales": dict(layout="contiguous", cache_dtype=torch.float8_e4m3fn, per_head_scale=True),
+    "left-padding": dict(layout="contiguous", leftpad=[3, 0, 17, 1, 0, 5, 2, 9, 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_request_bits_do_not_depend_on_the_batch(case):
+    inputs = make_feature_inputs(POOL_LENS, 4, 1, 64, torch.float16, seed=21, **CASES[case])
+    check_invariance(inputs, batches=3, seed=len(case))
+
+
+def test_gqa_and_two_row_blocks():
+    """Group 4 x Tq 16 = 64 rows: two row blocks per KV head (head units), two KV heads."""
+    inputs = make_feature_inputs([0, 17, 300, 530], 8, 2, 32, torch.bfloat16, tq=16, seed=22)
+    check_invariance(inputs, batches=2, seed=3)
+
+
+def test_in_batches_of_up_to_64():
+    """One long request among up to 63 short ones of random lengths, at random positions."""
+    rnd = random.Random(5)
+    lens = [600] + [rnd.choice([0, 1, 9, 16, 17, 40]) for _ in range(63)]
+    inputs = make_feature_inputs(lens, 2, 1, 16, torch.float16, "paged16", seed=23)
+    want = run(inputs, [0], 4)
+    for size, programs in ((2, 3), (17, 8), (64, 13)):
+        others = rnd.sample(range(1, 64), size - 1)
+        idx = others[: size // 2] + [0] + others[size // 2 :]
+        out, lse = run(inputs, idx, programs)
+        assert_same_bits((out[idx.index(0)], lse[idx.index(0)]), (want[0][0], want[1][0]), f"batch of {size}")
+
+
+def test_the_tables_own_chunk():
+    """The interpreter's table entry (D=64: 256-key chunks), with a request of several groups."""
+    inputs = make_feature_inputs([INVARIANT_GROUP_CHUNKS * 256 + 300, 5, 256], 2, 1, 64, torch.float16, seed=24)
+    config = None
+    alone = run(inputs, [0], 4, config=config)
+    out, lse = run(inputs, [1, 0, 2], 7, config=config)
+    assert_same_bits((out[1], lse[1]), (alone[0][0], alone[1][0]), "table entry")
+    assert_matches_feature_ref(*alone, select(inputs, [0]), ATOL[torch.float16])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    head_dim=st.sampled_from([16, 40, 64]),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3, 4]),
+    tq=st.integers(1, 2),
+    lens=st.lists(st.integers(0, 600), min_size=2, max_size=5),
+    position=st.integers(0, 4),
+    programs=st.integers(1, 9),
+)
+def test_invariance_over_shapes(head_dim, kv_heads, group, tq, lens, position, programs):
+    """Request 0 alone and at ``position`` of the batch of all requests, on ``programs`` programs."""
+    inputs = make_feature_inputs(lens, group * kv_heads, kv_heads, head_dim, torch.float16, tq=tq, seed=sum(lens))
+    idx = list(range(1, len(lens)))
+    idx.insert(min(position, len(idx)), 0)
+    alone = run(inputs, [0], 4)
+    out, lse = run(inputs, idx, programs)
+    j = idx.index(0)
+    assert_same_bits((out[j], lse[j]), (alone[0][0], alone[1][0]), f"batch {idx} on {programs} programs")
+
+
+def test_the_default_mode_does_depend_on_the_batch():
+    """Why the mode exists, and proof that the comparison above can fail: the default mode's
+    split points move with the batch, and with them the rounding of a request's output."""
+    inputs = make_feature_inputs([700, 530, 300], 4, 1, 64, torch.float16, seed=25)
+    alone = run(inputs, [0], 4, batch_invariant=False)
+    out, _ = run(inputs, [1, 0, 2], 5, batch_invariant=False)
+    assert not torch.equal(bits(out[1]), bits(alone[0][0]))
+    torch.testing.assert_close(out[1], alone[0][0], atol=ATOL[torch.float16], rtol=0)
+
+
+def test_torch_backend_is_batch_invariant():
+    inputs = make_feature_inputs([5000, 3, 17, 600], 4, 2, 40, torch.float32, "paged16", tq=2, window=4500,
+                                 softcap=20.0, sinks=True, seed=26)  # fmt: skip
+    for idx in ([0], [3, 0, 1], [1, 2, 0, 3]):
+        call = select(inputs, idx)
+        got = lean_tp.decode_attention(**call, return_lse=True, backend="torch", batch_invariant=True)
+        if idx == [0]:
+            want = got
+        else:
+            j = idx.index(0)
+            assert_same_bits((got[0][j], got[1][j]), (want[0][0], want[1][0]), f"torch backend, batch {idx}")
+
+
+def test_op_and_launcher_agree_and_the_flag_is_checked():
+    inputs = make_feature_inputs([0, 40, 300], 4, 1, 64, torch.float16, "paged16", seed=27)
+    call = select(inputs, [0, 1, 2])
+    got = lean_tp.decode_attention(**call, return_lse=True, backend="triton", batch_invariant=True)
+    want = decode_attention_fwd(**call, softmax_scale=64**-0.5, batch_invariant=True)
+    assert_same_bits(got, want, "op against launcher")
+    with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str 'yes'"):
+        lean_tp.decode_attention(**call, batch_invariant="yes")
+
+
+def test_workspace_is_sized_from_shapes():
+    """Group values take one slot per group of each output's capacity; a grid-sized one is refused."""
+    inputs = make_feature_inputs([0, 40, 300], 4, 1, 64, torch.float16, seed=28)
+    call = select(inputs, [0, 1, 2])
+    slots = invariant_group_slots(3, 1, call["k_cache"].shape[2], 2**30, CONFIG.tile_n)
+    assert slots == 3 * -(-call["k_cache"].shape[2] // GROUP_KEYS)
+    with pytest.raises(ValueError, match="workspace: expected contiguous tensors"):
+        decode_attention_fwd(**call, softmax_scale=0.125, batch_invariant=True, num_programs=4, config=CONFIG,
+                             workspace=alloc_workspace(4, 16, 64, "cpu"))  # fmt: skip
+    workspace = alloc_workspace(4, 16, 64, "cpu", slots)
+    out, _ = decode_attention_fwd(**call, softmax_scale=0.125, batch_invariant=True, num_programs=4, config=CONFIG,
+                                  workspace=workspace)  # fmt: skip
+    assert not out.isnan().any()
