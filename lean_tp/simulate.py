@@ -289,19 +289,27 @@ def lean_sim_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     kv_end = max(seg_end.values(), default=0.0)
     # A partial's real rows (masked padding rows move no bytes): fp32 acc, m and l.
     partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
-    end, chain = kv_end, 0
     plan = merge_plan(programs)
     if batch_invariant:
         end, chain = _invariant_merges(programs, seg_end, kv_end, partial, gpu)
-    for groups in plan.values() if not batch_invariant else ():
-        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), cx["WAVE"], partial, gpu) for g in groups]
-        finish = max(done)
-        if len(groups) > 1:
-            finish += gpu.l2_latency_us + _merge_level_us(len(groups), cx["WAVE"], partial, gpu)
-        end = max(end, finish)
-        chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
+    else:
+        end, chain = _tree_merges(plan, seg_end, kv_end, partial, cx["WAVE"], gpu)
     return Schedule("lean", sms, units=len(programs), splits=len(plan), sm_work=work, time_us=end, merge_us=end - kv_end,
                     chain=chain, merge_bytes=chain * partial, bars=bars)  # fmt: skip
+
+
+def _tree_merges(plan: dict, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel) -> tuple[float, int]:
+    """(end, longest chain of partials) of the default mode's merge tree (``merge_plan``): each
+    group once its members' segments end, then the output's second level."""
+    end, chain = kv_end, 0
+    for groups in plan.values():
+        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), wave, partial, gpu) for g in groups]
+        finish = max(done)
+        if len(groups) > 1:
+            finish += gpu.l2_latency_us + _merge_level_us(len(groups), wave, partial, gpu)
+        end = max(end, finish)
+        chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
+    return end, chain
 
 
 def _invariant_merges(programs, seg_end: dict, kv_end: float, partial: int, gpu: GPUModel) -> tuple[float, int]:

@@ -130,9 +130,8 @@ def test_in_batches_of_up_to_64():
 def test_the_tables_own_chunk():
     """The interpreter's table entry (D=64: 256-key chunks), with a request of several groups."""
     inputs = make_feature_inputs([INVARIANT_GROUP_CHUNKS * 256 + 300, 5, 256], 2, 1, 64, torch.float16, seed=24)
-    config = None
-    alone = run(inputs, [0], 4, config=config)
-    out, lse = run(inputs, [1, 0, 2], 7, config=config)
+    alone = run(inputs, [0], 4, config=None)
+    out, lse = run(inputs, [1, 0, 2], 7, config=None)
     assert_same_bits((out[1], lse[1]), (alone[0][0], alone[1][0]), "table entry")
     assert_matches_feature_ref(*alone, select(inputs, [0]), ATOL[torch.float16])
 

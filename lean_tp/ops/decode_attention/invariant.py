@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.attend import _attend
-from lean_tp.ops.decode_attention.merge import _arrive, _store_partial
+from lean_tp.ops.decode_attention.merge import _arrive, _load_partial, _ref_max, _store_partial
 from lean_tp.ops.decode_attention.schedule import _cdiv, _program_of_tile, _program_start
 
 
@@ -41,25 +41,10 @@ def _combine(acc1, m1, l1, acc2, m2, l2):
     """Partial 1 followed by partial 2, with explicit fused multiply-adds: the compiler cannot
     contract the two products differently where this is inlined twice (registers, workspace)."""
     m = tl.maximum(m1, m2)
-    ref = tl.where(m == float("-inf"), 0.0, m)
+    ref = _ref_max(m, True)
     a1 = tl.exp2(m1 - ref)
     a2 = tl.exp2(m2 - ref)
     return tl.fma(acc2, a2[:, None], acc1 * a1[:, None]), m, tl.fma(l2, a2, l1 * a1)
-
-
-@triton.jit
-def _load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows [0, n_rows) of workspace slot o_slot, as ``_store_partial`` wrote them (the empty state
-    past them). ``.cg``: other SMs wrote them."""
-    o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, BLOCK_D)
-    m_g = o_g < n_rows
-    o_slot = tl.cast(o_slot, tl.int64)
-    acc = tl.load(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], mask=m_g[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    m = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, mask=m_g, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
-    return acc, m, l
 
 
 @triton.jit
@@ -125,18 +110,17 @@ def _finish_group(ws_acc_ptr, ws_ml_ptr, counter_ptr, k, out_start, n_tiles, gro
 @triton.jit
 def _attend_invariant(
     b_q, k_ptr, v_ptr, bt_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr, b, hu, h_kv, n_base, span, b_lo, b_hi,
-    qk_scale, cap_log2, v_scale, pid, tile, seg_n, n_tiles, out_start, total, n_active, num_programs, max_groups, HU,
+    qk_scale, cap_log2, v_scale, pid, tile, seg_n, n_tiles, out_start, total, n_active, num_programs, max_groups, HU, n_rows,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    GROUP: tl.constexpr, TQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    NUM_GC: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
     HAS_SCALES: tl.constexpr, IGROUP: tl.constexpr,
 ):  # fmt: skip
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of an output of
-    n_tiles chunks): each chunk attended from a fresh state and folded as ``invariant.py`` fixes.
-    Returns (whether this program finishes the output, and its state when it does)."""
+    n_tiles chunks; n_rows real rows): each chunk attended from a fresh state and folded as this
+    module's docstring fixes. Returns (whether this program finishes the output, and its state when it does)."""
     whole = (tile == 0) & (seg_n == n_tiles)
-    n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)
     # Chunks [tile, lead_end) finish a group that an earlier program began: published one by one.
     lead_end = tl.minimum(_cdiv(tile, IGROUP) * IGROUP, tile + seg_n)
     group_slot0 = num_programs * IGROUP + (tl.cast(b, tl.int64) * HU + hu) * max_groups

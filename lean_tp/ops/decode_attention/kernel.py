@@ -160,6 +160,8 @@ def decode_attention_fwd_kernel(
     STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
+    INVARIANT: the batch-invariant mode (invariant.py), with chunks folded in groups of IGROUP and
+    max_groups group slots per output in the workspace; the default mode ignores max_groups.
     """
     stride_qb = stride_qb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_qt = stride_qt // STRIDE_ALIGN * STRIDE_ALIGN
@@ -196,13 +198,14 @@ def decode_attention_fwd_kernel(
         h_kv = hu // NUM_GC
         b_lo, b_hi = _row_bounds(hu, span, window, GROUP, TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
         k_scale = _kv_scale(k_scale_ptr, h_kv, stride_ks, HAS_SCALES, E4M3_BITS)
+        n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
         if INVARIANT:
             do_store, b_acc, b_m, b_l = _attend_invariant(
                 b_q, k_ptr, v_ptr, bt_ptr, ws_acc_ptr, ws_ml_ptr, counter_ptr, b, hu, h_kv, n_base + seq_len - span,
                 span, b_lo, b_hi, qk_scale * k_scale, cap_log2, _kv_scale(v_scale_ptr, h_kv, stride_vs, HAS_SCALES, E4M3_BITS),
-                pid, tile, seg_end - t, n_tiles, out_start, total, n_active, num_programs, max_groups, HU,
+                pid, tile, seg_end - t, n_tiles, out_start, total, n_active, num_programs, max_groups, HU, n_rows,
                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-                GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, BLOCK_N, TILE_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                TQ, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, TILE_N, PAGED, PAGE_SIZE, DOT_PRECISION,
                 SOFTCAP, E4M3_BITS, BLOCK_IN_PAGE, HAS_SCALES, IGROUP,
             )  # fmt: skip
         else:
@@ -220,7 +223,6 @@ def decode_attention_fwd_kernel(
                       GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)  # fmt: skip
         n_base_next = _seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
         if not INVARIANT:
-            n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)
             do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
             if not do_store:
                 do_store, b_acc, b_m, b_l = _finish_split(

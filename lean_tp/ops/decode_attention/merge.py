@@ -23,7 +23,7 @@ def _ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
 def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr):  # fmt: skip
     """Write rows [0, n_rows) of one partial (b_acc [BLOCK_G, BLOCK_D], b_m and b_l [BLOCK_G]) to
-    workspace slot o_slot (= 2 * program + 0 or 1)."""
+    workspace slot o_slot (2 * program + 0 or 1; ``invariant.py`` lays out its own slots)."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < n_rows
@@ -31,6 +31,21 @@ def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK
     tl.store(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], b_acc, mask=m_g[:, None])
     tl.store(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m, mask=m_g)
     tl.store(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l, mask=m_g)
+
+
+@triton.jit
+def _load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows [0, n_rows) of workspace slot o_slot, as ``_store_partial`` wrote them (the empty state
+    past them). ``.cg``: other SMs wrote them."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < n_rows
+    o_slot = tl.cast(o_slot, tl.int64)
+    acc = tl.load(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], mask=m_g[:, None],
+                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    m = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, mask=m_g, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
+    return acc, m, l
 
 
 @triton.jit
