@@ -98,6 +98,18 @@ def test_decode_attention_triton_split_everywhere():
     assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("layout", ["paged1", "paged2", "paged8"])
+def test_decode_attention_triton_short_pages(layout):
+    """Pages shorter than a K/V block (SGLang's one-token pool among them): a page id per key,
+    pages scattered at random, ragged lengths around the tile."""
+    tile = tile_of(64, torch.float16)
+    inputs = make_inputs([tile + 1, 0, 1, tile - 1, 3 * tile + 5], 8, 2, 64, torch.float16, layout, seed=len(layout))
+    out, lse = run_kernel(inputs, num_programs=5)
+    assert_matches_ref(out, lse, inputs, atol=ATOL[torch.float16])
+    torch_out, torch_lse = lean_tp.decode_attention(**inputs, return_lse=True, backend="torch")
+    assert_matches_ref(torch_out, torch_lse, inputs, atol=ATOL[torch.float16])
+
+
 @pytest.mark.parametrize("num_programs", [None, 3])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "paged16"])
 def test_decode_attention_triton_left_padding(layout, num_programs):

@@ -39,7 +39,7 @@ CASES = {
     "leftpad-int64": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad"),
     "leftpad-shape": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(3, dtype=torch.int32)), ValueError, "cache_leftpad"),
     "leftpad-not-tensor": (lambda: _edit(cache_leftpad=lambda i: [0, 0]), TypeError, "cache_leftpad"),
-    "page-size-8": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :8], v_cache=lambda i: i["v_cache"][:, :8]), ValueError, "page size"),
+    "page-size-6": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :6], v_cache=lambda i: i["v_cache"][:, :6]), ValueError, "page size"),
 }
 
 

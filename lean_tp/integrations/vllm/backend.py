@@ -12,7 +12,6 @@ Triton (CPU) the delegate and the cache writes are ``cpu.py``'s plain-torch path
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,13 +30,15 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
+from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.vllm import NAME, cpu
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import BACKENDS, MAX_QUERY_TOKENS, MIN_PAGE_SIZE
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
-# Block sizes vLLM allocates that are pages the op takes: its powers of two, up to 256.
-PAGE_SIZES = [MIN_PAGE_SIZE << k for k in range((256 // MIN_PAGE_SIZE).bit_length())]
+# Block sizes vLLM allocates that are pages the op takes: vLLM's block sizes are multiples of 16,
+# the op's pages powers of two; both up to 256.
+PAGE_SIZES = [16, 32, 64, 128, 256]
 # vLLM's fp8 cache dtypes (stored as uint8) and what they hold.
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # vLLM's Triton attention, the delegate on GPUs, takes head sizes from 32 up.
@@ -63,10 +64,7 @@ def head_size_problem(head_size: int) -> str | None:
 
 def op_backend() -> str:
     """The op backend decode runs on, from ``LEAN_TP_VLLM_BACKEND`` (default "auto")."""
-    value = os.environ.get(BACKEND_ENV, "auto")
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {value!r}")
-    return value
+    return op_backend_from_env(BACKEND_ENV)
 
 
 class LeanAttentionBackend(AttentionBackend):
