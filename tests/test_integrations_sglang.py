@@ -298,3 +298,15 @@ def test_sglang_refuses_layers_it_cannot_run(layer, message):
     q, kv = torch.randn(1, 4, 64).half(), torch.randn(1, 2, 64).half()
     with pytest.raises(ValueError, match=message):
         fixture.backend.forward(q, kv, kv, layer(), fixture.forward_batch)
+
+
+def test_sglang_refuses_sinks_in_cpu_prefill():
+    """SGLang's torch-native prefill (the CPU delegate) has no sinks: refused, not dropped."""
+    case = kit.DenseAttentionCase(name="extend_sinks", backend=NAME, forward_mode=ForwardMode.EXTEND, num_heads=4,
+                                  num_kv_heads=2, page_size=16, prefix_lens=(3,), extend_lens=(2,))
+    fixture = kit.build_dense_attention_fixture(_Case(), case, head_dim=64, hidden_size=64, device="cpu")
+    fixture.backend.init_forward_metadata(fixture.forward_batch)
+    q, kv = torch.randn(2, 4, 64).half(), torch.randn(2, 2, 64).half()
+    layer = RadixAttention(4, 64, 0.125, 2, layer_id=0)
+    with pytest.raises(ValueError, match="sinks: SGLang's torch-native prefill"):
+        fixture.backend.forward(q, kv, kv, layer, fixture.forward_batch, sinks=torch.zeros(4))

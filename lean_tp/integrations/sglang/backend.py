@@ -92,9 +92,9 @@ def layer_problem(layer) -> str | None:
     return None
 
 
-def _delegate(model_runner) -> AttentionBackend:
+def _delegate(model_runner, on_gpu: bool) -> AttentionBackend:
     """SGLang's own backend for what lean does not run: Triton on GPUs, torch-native elsewhere."""
-    if torch.device(model_runner.device).type == "cuda":
+    if on_gpu:
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend(model_runner)
@@ -111,7 +111,9 @@ class LeanAttnBackend(AttentionBackend):
         problem = runner_problem(model_runner)
         if problem is not None:
             raise ValueError(problem)
-        self.delegate = _delegate(model_runner)
+        # The delegate is SGLang's Triton backend on GPUs (graphs, sinks), its torch-native one elsewhere.
+        self.on_gpu = torch.device(model_runner.device).type == "cuda"
+        self.delegate = _delegate(model_runner, self.on_gpu)
         self.pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token  # (max_reqs, max_context_len) int32
         self.page_size = cache_page_size(model_runner.page_size)
@@ -179,7 +181,7 @@ class LeanAttnBackend(AttentionBackend):
         max_pages = -(-self.req_to_token.shape[1] // self.page_size)
         self.graph = GraphBuffers(torch.zeros(max_bs, dtype=torch.int32, device=device),
                                   torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device))
-        if self.delegate.support_triton():  # the torch-native delegate takes no graphs
+        if self.on_gpu:  # the torch-native delegate keeps no graph state
             self.delegate.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -245,7 +247,7 @@ class LeanAttnBackend(AttentionBackend):
         if self.forward_metadata is not None:  # chain verification
             return self._run_lean(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         if sinks is not None:
-            if not self.delegate.support_triton():
+            if not self.on_gpu:
                 raise ValueError(f"sinks: SGLang's torch-native prefill (the {NAME} backend's CPU delegate) has "
                                  "no attention sinks; prefill with sinks runs on GPUs (Triton)")
             kwargs["sinks"] = sinks
