@@ -24,8 +24,8 @@ from sglang.srt.runtime_context import get_exec
 from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.sglang import NAME
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
-from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+from lean_tp.ops.decode_attention.checks import FP8_DTYPES, MAX_QUERY_TOKENS, is_page_size
+from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, kernel_takes_head_dim
 
 # The op backend decode runs on: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
 BACKEND_ENV = "LEAN_TP_SGLANG_BACKEND"
@@ -51,7 +51,7 @@ class GraphBuffers:
 def cache_page_size(page_size: int) -> int:
     """The page size the op sees: SGLang's when it is a power of two, else one-token pages (every
     token's slot is in ``req_to_token``, so any page size reads correctly as pages of one)."""
-    return page_size if page_size & (page_size - 1) == 0 else 1
+    return page_size if is_page_size(page_size) else 1
 
 
 def runner_problem(model_runner) -> str | None:
@@ -84,9 +84,9 @@ def layer_problem(layer) -> str | None:
     if layer.qk_head_dim != layer.v_head_dim:
         return (f"head_dim: expected equal q/k and v head dims for the {NAME} backend, got {layer.qk_head_dim} "
                 f"and {layer.v_head_dim}")
-    d = layer.qk_head_dim
-    if not (0 < d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0):
-        return f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the {NAME} backend, got {d}"
+    if not kernel_takes_head_dim(layer.qk_head_dim):
+        return (f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the {NAME} backend, "
+                f"got {layer.qk_head_dim}")
     if layer.logit_cap > 0 and layer.logit_capping_method != "tanh":
         return f"logit_capping_method: expected 'tanh' for the {NAME} backend, got {layer.logit_capping_method!r}"
     return None
@@ -117,6 +117,7 @@ class LeanAttnBackend(AttentionBackend):
         self.pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token  # (max_reqs, max_context_len) int32
         self.page_size = cache_page_size(model_runner.page_size)
+        self.max_pages = -(-self.req_to_token.shape[1] // self.page_size)  # a table row at full context
         self.op_backend = op_backend_from_env(BACKEND_ENV)
         # SGLang's deterministic inference: a request's decode bits must not depend on its batch-mates.
         self.batch_invariant = bool(get_exec().deterministic.enable_deterministic_inference)
@@ -141,16 +142,14 @@ class LeanAttnBackend(AttentionBackend):
     def _pages(self, keys_cpu: torch.Tensor | None) -> int:
         """Block-table columns for a batch whose longest request has ``max(keys_cpu)`` keys (a host
         tensor SGLang keeps, so no sync); the full width when it is not known."""
-        full = -(-self.req_to_token.shape[1] // self.page_size)
         if keys_cpu is None or keys_cpu.numel() == 0:
-            return full
-        return min(full, max(1, -(-int(keys_cpu.max()) // self.page_size)))
+            return self.max_pages
+        return min(self.max_pages, max(1, -(-int(keys_cpu.max()) // self.page_size)))
 
-    def _fill_table(self, out: torch.Tensor, req_pool_indices: torch.Tensor, pages: int) -> torch.Tensor:
-        """out[:, :pages] = the requests' block tables (out: (B, >= pages) int32); returns out."""
+    def _fill_table(self, out: torch.Tensor, req_pool_indices: torch.Tensor, pages: int) -> None:
+        """out[:, :pages] = the requests' block tables (out: (B, >= pages) int32)."""
         rows = self.req_to_token[req_pool_indices.long(), : pages * self.page_size : self.page_size]
         out[:, :pages].copy_(rows if self.page_size == 1 else rows // self.page_size)
-        return out
 
     def _metadata(self, forward_batch, query_len: int, graph: GraphBuffers | None) -> LeanForwardMetadata:
         seq_lens = forward_batch.seq_lens
@@ -178,9 +177,8 @@ class LeanAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         device = self.req_to_token.device
-        max_pages = -(-self.req_to_token.shape[1] // self.page_size)
         self.graph = GraphBuffers(torch.zeros(max_bs, dtype=torch.int32, device=device),
-                                  torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device))
+                                  torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device))
         if self.on_gpu:  # the torch-native delegate keeps no graph state
             self.delegate.init_cuda_graph_state(max_bs, max_num_tokens)
 
@@ -200,7 +198,7 @@ class LeanAttnBackend(AttentionBackend):
             self.delegate.init_forward_metadata_in_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self):
-        # Padded requests read one key (slot 0, SGLang's padding slot), as SGLang's own backends do.
+        # Padded requests (request slot 0, their output dropped) read one key, as with SGLang's own backends.
         return 1
 
     # -- forward ----------------------------------------------------------------------------------
@@ -225,7 +223,7 @@ class LeanAttnBackend(AttentionBackend):
         q = q.reshape(batch, meta.query_len, heads, dim) if meta.query_len > 1 else q.reshape(batch, heads, dim)
         k_cache, v_cache = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
         pool_shape = (-1, self.page_size, layer.tp_k_head_num, dim)
-        fp8 = k_cache.dtype.itemsize == 1
+        fp8 = k_cache.dtype in FP8_DTYPES
         scale = lambda s: (s if s is not None else 1.0) if fp8 else None  # noqa: E731
         window = layer.sliding_window_size
         out = decode_attention(

@@ -34,7 +34,7 @@ from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.vllm import NAME, cpu
 from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
-from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, kernel_takes_head_dim
 
 # Block sizes vLLM allocates that are pages the op takes: vLLM's block sizes are multiples of 16,
 # the op's pages powers of two; both up to 256.
@@ -54,7 +54,7 @@ def _triton_delegate() -> bool:
 
 def head_size_problem(head_size: int) -> str | None:
     """Why the backend cannot take a head size, or None."""
-    if MIN_HEAD_SIZE <= head_size <= MAX_HEAD_DIM and head_size % HEAD_DIM_MULTIPLE == 0:
+    if head_size >= MIN_HEAD_SIZE and kernel_takes_head_dim(head_size):
         return None
     return (
         f"head_size: expected a multiple of {HEAD_DIM_MULTIPLE} in [{MIN_HEAD_SIZE}, {MAX_HEAD_DIM}] for the "

@@ -24,16 +24,19 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
 # each K/V tile, so a bound keeps the row block within what one program holds.
 MAX_QUERY_TOKENS = 16
-# Paged caches: the page size is a power of two of at least this many tokens. One-token pages are
-# SGLang's token-to-KV pool: the kernel looks up a page id per key whenever a page is shorter than
-# its K/V block, so they cost one more int32 load per key, not another code path.
-MIN_PAGE_SIZE = 1
 # The shortest page a cache passed without block_table is taken to be a paged pool by, for the
 # error's hint: the page size vLLM and FlashInfer allocate by default.
 HINT_PAGE_SIZE = 16
 # Call features (by argument name, see ``call_features``) the Triton kernel implements beyond
 # one-token decode; a feature missing here is refused on the Triton backend, never run slowly.
 KERNEL_FEATURES: frozenset[str] = frozenset({"q", "k_cache", "softcap", "window", "sinks"})
+
+
+def is_page_size(n: int) -> bool:
+    """Whether paged caches take pages of ``n`` tokens: any power of two. The kernel finds page and
+    slot by a shift and a mask; one-token pages (SGLang's token-to-KV pool) are the same loop with a
+    page id looked up per key, as for any page shorter than a K/V block."""
+    return n > 0 and n & (n - 1) == 0
 
 
 def _require_tensor(name: str, x: object) -> None:
@@ -136,7 +139,7 @@ def _layout_hint(k_cache: torch.Tensor, batch: int, num_q_heads: int) -> str:
     if rows == batch and dim2 > 0 and num_q_heads % dim2 == 0:
         return (f"; k_cache looks like (B, S_max, Hkv, D) (flash-attn's layout): pass k_cache.transpose(1, 2) "
                 "and v_cache.transpose(1, 2)")  # fmt: skip
-    if dim1 >= HINT_PAGE_SIZE and dim1 & (dim1 - 1) == 0 and dim2 > 0 and num_q_heads % dim2 == 0:
+    if dim1 >= HINT_PAGE_SIZE and is_page_size(dim1) and dim2 > 0 and num_q_heads % dim2 == 0:
         return "; k_cache looks like a paged pool (num_pages, page_size, Hkv, D): pass block_table with it"
     return ""
 
@@ -228,7 +231,7 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")
     page_size = k_cache.shape[1]
-    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1) != 0:
+    if not is_page_size(page_size):
         raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two, got {page_size}")
 
 

@@ -245,13 +245,18 @@ def get_config(
     return config_for(arch_of(device), head_dim, dtype, cache_dtype)
 
 
+def kernel_takes_head_dim(head_dim: int) -> bool:
+    """Whether the Triton kernel takes a head dim: a multiple of ``HEAD_DIM_MULTIPLE`` up to ``MAX_HEAD_DIM``."""
+    return 0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0
+
+
 def config_for(arch: str, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> DecodeConfig:
     """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have).
 
     ``dtype`` is q's dtype, ``cache_dtype`` the cache's when it is not q's (fp8: converted to q's
     16-bit dtype after loading, so its kernel has the 16-bit dots, and half the bytes per key).
     """
-    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
+    if not kernel_takes_head_dim(head_dim):
         raise ValueError(
             f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the Triton backend, "
             f"got head_dim={head_dim}"
