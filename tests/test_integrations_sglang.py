@@ -310,3 +310,10 @@ def test_sglang_refuses_sinks_in_cpu_prefill():
     layer = RadixAttention(4, 64, 0.125, 2, layer_id=0)
     with pytest.raises(ValueError, match="sinks: SGLang's torch-native prefill"):
         fixture.backend.forward(q, kv, kv, layer, fixture.forward_batch, sinks=torch.zeros(4))
+
+
+def test_sglang_op_backend_setting_is_checked(monkeypatch):
+    fixture = _fixture(16, 4, 2, [3])
+    monkeypatch.setenv(lean_backend.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="LEAN_TP_SGLANG_BACKEND: expected one of"):
+        lean_sglang.create_backend(fixture.runner)
