@@ -44,7 +44,10 @@ L2_ROTATION_FACTOR = 4  # bytes touched between two replays of one input set >= 
 MEMORY_FRACTION = 0.6  # rows whose input sets need more of the free GPU memory are skipped
 CHECK_ATOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 # The "models" sweep: head counts of these lean_tp.model configs (their head_dim is 128).
-MODELS = {name: (CONFIGS[name].n_heads, CONFIGS[name].n_kv_heads) for name in ("llama-3-8b", "llama-3-70b", "mistral-7b", "phi-3-medium")}
+MODELS = {
+    name: (CONFIGS[name].n_heads, CONFIGS[name].n_kv_heads)
+    for name in ("llama-3-8b", "llama-3-70b", "mistral-7b", "phi-3-medium")
+}
 
 
 @dataclass(frozen=True)
@@ -94,20 +97,27 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
     shapes = [Shape("context", str(n), (n,) * 4, 32, 32) for n in contexts]
     shapes += [Shape("heads", str(h), (262144,), h, h) for h in pick([8, 16, 32, 64, 128], [8, 32, 128])]
     shapes += [Shape("batch", str(b), (16384,) * b, 32, 32) for b in pick([1, 2, 4, 8, 16, 32], [1, 8, 32])]
-    shapes += [Shape("ragged", str(r), ragged_lens(16, 32768, r), 32, 8)
-               for r in pick([0.1, 0.2, 0.4, 0.6, 0.8, 1.0], [0.1, 0.5, 1.0])]
+    shapes += [
+        Shape("ragged", str(r), ragged_lens(16, 32768, r), 32, 8)
+        for r in pick([0.1, 0.2, 0.4, 0.6, 0.8, 1.0], [0.1, 0.5, 1.0])
+    ]
     shapes += [Shape("models", name, (8192,) * 8, hq, hkv) for name, (hq, hkv) in MODELS.items()]
     shapes += [Shape("gqa", str(g), (16384,) * 8, 8 * g, 8) for g in pick([1, 2, 4, 8, 16], [1, 4, 16])]
     # fp8 against the 16-bit cache of the same shape (half the bytes), and windows over a long cache
     # (a window should cost its own length, not the cache's).
     shapes += [Shape("kv", kv, (32768,) * 8, 32, 8, kv=kv) for kv in ("same", "fp8")]
-    shapes += [Shape("window", str(w), (131072,) * 4, 32, 8, window=w)
-               for w in pick([None, 32768, 4096, 1024], [None, 4096])]  # fmt: skip
+    shapes += [
+        Shape("window", str(w), (131072,) * 4, 32, 8, window=w) for w in pick([None, 32768, 4096, 1024], [None, 4096])
+    ]
     # The load paths: contiguous and 16-token pages, 16-bit and fp8, against FlashInfer's paged
     # decode (Llama-3-8B heads; 8k-128k keys, B in {1, 8, 64}).
-    shapes += [Shape("layouts", f"{layout} {kv} B={b} {n >> 10}k", (n,) * b, 32, 8, layout=layout, kv=kv)
-               for layout in ("contiguous", "paged16") for kv in ("same", "fp8")
-               for b in pick([1, 8, 64], [1, 64]) for n in pick([8192, 32768, 131072], [32768])]  # fmt: skip
+    shapes += [
+        Shape("layouts", f"{layout} {kv} B={b} {n >> 10}k", (n,) * b, 32, 8, layout=layout, kv=kv)
+        for layout in ("contiguous", "paged16")
+        for kv in ("same", "fp8")
+        for b in pick([1, 8, 64], [1, 64])
+        for n in pick([8192, 32768, 131072], [32768])
+    ]
     return shapes
 
 
@@ -208,12 +218,29 @@ def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes:
     return [make_set(shape, dtype, device) for _ in range(count)]
 
 
-def bench_shape(shape: Shape, dtype: torch.dtype, device: torch.device, peers: list[str], timer: Timer,
-                copy_bw: float, l2_bytes: int) -> dict:
-    row = dict(sweep=shape.sweep, x=shape.x, dtype=str(dtype).removeprefix("torch."), kv=shape.kv, window=shape.window or "",
-               batch=len(shape.lens),
-               hq=shape.hq, hkv=shape.hkv, d=shape.d, layout=shape.layout, max_len=max(shape.lens),
-               mean_len=sum(shape.lens) // len(shape.lens))
+def bench_shape(
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    peers: list[str],
+    timer: Timer,
+    copy_bw: float,
+    l2_bytes: int,
+) -> dict:
+    row = dict(
+        sweep=shape.sweep,
+        x=shape.x,
+        dtype=str(dtype).removeprefix("torch."),
+        kv=shape.kv,
+        window=shape.window or "",
+        batch=len(shape.lens),
+        hq=shape.hq,
+        hkv=shape.hkv,
+        d=shape.d,
+        layout=shape.layout,
+        max_len=max(shape.lens),
+        mean_len=sum(shape.lens) // len(shape.lens),
+    )
     notes, times = [], {}
     if shape.kv == "fp8" and dtype == torch.float32:
         row["notes"] = "skipped: fp8 caches take a 16-bit q"
@@ -269,18 +296,32 @@ def environment(device: torch.device, copy_bw: float) -> dict:
     import triton
 
     def output(cmd: list[str]) -> str:
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+        ).stdout.strip()
 
     # A checkout copied without .git (a lent GPU machine) names its commit in LEAN_TP_COMMIT.
     commit = os.environ.get("LEAN_TP_COMMIT") or output(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
-    env = dict(device="cpu (dry run)", sm_count=0, driver="none", torch=torch.__version__, triton=triton.__version__,
-               commit=commit, date=datetime.date.today().isoformat(), copy_bandwidth_gbps=round(copy_bw / 1e9, 1))
+    env = dict(
+        device="cpu (dry run)",
+        sm_count=0,
+        driver="none",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        commit=commit,
+        date=datetime.date.today().isoformat(),
+        copy_bandwidth_gbps=round(copy_bw / 1e9, 1),
+    )
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         smi = shutil.which("nvidia-smi")
         driver = output([smi, "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines() if smi else []
-        env |= dict(device=props.name, sm_count=props.multi_processor_count, driver=driver[0] if driver else "unknown",
-                    cuda=torch.version.cuda)
+        env |= dict(
+            device=props.name,
+            sm_count=props.multi_processor_count,
+            driver=driver[0] if driver else "unknown",
+            cuda=torch.version.cuda,
+        )
     return env
 
 
@@ -288,8 +329,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = cli.ArgumentParser(prog="bench_decode.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short sweep: under 8 minutes on one H100")
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes, torch backend: check the plumbing")
-    p.add_argument("--dtypes", nargs="+", type=cli.choice("fp16", "bf16"),
-                   help="default: bf16 with --quick, else both; fp32 with --dry (fp16 there runs the fp8 rows)")
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        type=cli.choice("fp16", "bf16"),
+        help="default: bf16 with --quick, else both; fp32 with --dry (fp16 there runs the fp8 rows)",
+    )
     p.add_argument("--sweeps", nargs="+", type=cli.choice(*SWEEPS), help=f"only these sweeps ({' '.join(SWEEPS)})")
     p.add_argument("--peers", nargs="+", default=list(PEERS), type=cli.choice(*PEERS))
     p.add_argument("--reps", type=cli.integer(1, 100_000), default=60)
@@ -307,12 +352,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     env = environment(device, copy_bw)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     if args.dry:
-        print("dry run: CPU timings say nothing about GPU speed; Triton kernels (lean, flash-decoding) run in the "
-              "interpreter and are compared only with each other", flush=True)
+        print(
+            "dry run: CPU timings say nothing about GPU speed; Triton kernels (lean, flash-decoding) run in the "
+            "interpreter and are compared only with each other",
+            flush=True,
+        )
     shapes = [s for s in sweeps(args.quick, args.dry) if not args.sweeps or s.sweep in args.sweeps]
     timer = Timer(device, DRY_REPS if args.dry else args.reps)
-    rows = [bench_shape(s, dt, device, peers, timer, copy_bw, l2)
-            for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")]
+    rows = [
+        bench_shape(s, dt, device, peers, timer, copy_bw, l2)
+        for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")
+    ]
     write_results(rows, env, args.out)
     return rows
 
@@ -324,14 +374,32 @@ def record(rows: list[dict], env: dict) -> dict:
 
     timed, notes = [], []
     for row in rows:
-        shape = dict(sweep=row["sweep"], x=row["x"], batch=row["batch"], q_heads=row["hq"], kv_heads=row["hkv"],
-                     head_dim=row["d"], dtype=row["dtype"], layout=row["layout"], context=row["max_len"],
-                     mean_context=row["mean_len"])
+        shape = dict(
+            sweep=row["sweep"],
+            x=row["x"],
+            batch=row["batch"],
+            q_heads=row["hq"],
+            kv_heads=row["hkv"],
+            head_dim=row["d"],
+            dtype=row["dtype"],
+            layout=row["layout"],
+            context=row["max_len"],
+            mean_context=row["mean_len"],
+        )
         for impl in (k.removesuffix("_us") for k in row if k.endswith("_us")):
-            timed.append(shape | dict(impl=impl, time_us=row[f"{impl}_us"], gbps=row[f"{impl}_gbps"],
-                                      fraction_of_copy=float(f"{row[f'{impl}_pct_copy'] / 100:.3g}"),
-                                      max_abs_err_vs_lean=row.get(f"{impl}_err")))
-        notes += [dict(sweep=row["sweep"], x=row["x"], dtype=row["dtype"], note=n) for n in row["notes"].split("; ") if n]
+            timed.append(
+                shape
+                | dict(
+                    impl=impl,
+                    time_us=row[f"{impl}_us"],
+                    gbps=row[f"{impl}_gbps"],
+                    fraction_of_copy=float(f"{row[f'{impl}_pct_copy'] / 100:.3g}"),
+                    max_abs_err_vs_lean=row.get(f"{impl}_err"),
+                )
+            )
+        notes += [
+            dict(sweep=row["sweep"], x=row["x"], dtype=row["dtype"], note=n) for n in row["notes"].split("; ") if n
+        ]
     return validate(env | dict(rows=timed, notes=notes))
 
 
@@ -351,7 +419,9 @@ def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
         json.dump(record(rows, env), f, indent=1)
     plot_all(rows, env, out_dir)
     for row in rows:
-        speedups = ", ".join(f"{v}x vs {k.removeprefix('speedup_vs_')}" for k, v in row.items() if k.startswith("speedup_vs_"))
+        speedups = ", ".join(
+            f"{v}x vs {k.removeprefix('speedup_vs_')}" for k, v in row.items() if k.startswith("speedup_vs_")
+        )
         speedups = f"lean's speedup (peer time / lean time): {speedups}" if speedups else "no like-for-like peer timed"
         lean = f"lean {row['lean_us']} us ({row['lean_pct_copy']}% of copy BW)" if "lean_us" in row else "lean: -"
         print(f"{row['sweep']:>8} {row['x']:>12} {row['dtype']:>8}: {lean}; {speedups}  {row['notes']}")

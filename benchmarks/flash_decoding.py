@@ -2,7 +2,7 @@
 
 A fixed-split decode kernel: one program per (split, sequence, KV head) over an equal share of the
 cache *capacity*, then a separate combine kernel per (sequence, query head). The split count is
-FlashAttention-2's ``num_splits_heuristic`` (``lean_tp.simulate.fa2_splits``, the same function the
+FlashAttention-2's ``num_splits_heuristic`` (``lean_tp.tools.simulate.fa2_splits``, the same function the
 simulator uses). Query heads of a GQA group share their KV head's program, as FA2's decode path
 packs them. It lives in ``benchmarks/``, not in the library: it exists to be measured against.
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lean_tp.simulate import Problem, fa2_splits
+from lean_tp.tools.simulate import Problem, fa2_splits
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step; FA2's split boundaries (multiples of 64-256 keys) align to it
@@ -24,11 +24,29 @@ SIMULATED_SMS = 132  # SM count assumed off-GPU (the interpreter), so that CPU t
 
 @triton.jit
 def flash_decoding_split_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, ws_acc_ptr, ws_ml_ptr,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    num_kv_heads, num_splits, split_tokens, scale_log2,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seqlens_ptr,
+    ws_acc_ptr,
+    ws_ml_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    num_kv_heads,
+    num_splits,
+    split_tokens,
+    scale_log2,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Partial (acc, max, sum) of one split for the GROUP query heads of one KV head.
 
     ws_acc: (B, Hq, num_splits, D) fp32; ws_ml: (B, Hq, num_splits, 2) fp32, log2 domain.
@@ -69,16 +87,23 @@ def flash_decoding_split_kernel(
 
 @triton.jit
 def flash_decoding_combine_kernel(
-    ws_acc_ptr, ws_ml_ptr, out_ptr, lse_ptr, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
+    ws_acc_ptr,
+    ws_ml_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Merge the splits of one (sequence, query head): out (B, Hq, D), lse (B, Hq) natural log."""
     i_row = tl.program_id(0)
     o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     m_s = o_s < num_splits
     b_m = tl.load(ws_ml_ptr + (i_row * num_splits + o_s) * 2, mask=m_s, other=float("-inf"))
     b_l = tl.load(ws_ml_ptr + (i_row * num_splits + o_s) * 2 + 1, mask=m_s, other=0.0)
-    b_acc = tl.load(ws_acc_ptr + (i_row * num_splits + o_s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_acc = tl.load(
+        ws_acc_ptr + (i_row * num_splits + o_s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None], other=0.0
+    )
     m_max = tl.max(b_m, axis=0)
     # Empty splits carry max = -inf and weigh 0; an all-empty (length 0) row gives out 0, lse -inf.
     m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
@@ -101,10 +126,17 @@ def num_splits_for(q: torch.Tensor, k_cache: torch.Tensor) -> int:
 
 
 def flash_decoding(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    softmax_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False,
-    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, workspace: tuple | None = None,
-):  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple | None = None,
+):
     """Fixed-split decode attention. q (B, Hq, D) and k_cache, v_cache (B, Hkv, S_max, D), each with
     ``stride(-1) == 1``; cache_seqlens (B,) int32. Returns out (B, Hq, D) [and lse (B, Hq) fp32].
     ``out``, ``lse`` and ``workspace`` (ws_acc, ws_ml) may be given (tests fill them with NaN)."""
@@ -119,12 +151,29 @@ def flash_decoding(
         torch.empty(batch, num_q_heads, splits, 2, dtype=torch.float32, device=q.device),
     )
     flash_decoding_split_kernel[(splits, batch * num_kv_heads)](
-        q, k_cache, v_cache, cache_seqlens, ws_acc, ws_ml,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, splits, split_tokens, scale * LOG2E,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        ws_acc,
+        ws_ml,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_kv_heads,
+        splits,
+        split_tokens,
+        scale * LOG2E,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
+    )
     out = out if out is not None else torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
     flash_decoding_combine_kernel[(batch * num_q_heads,)](

@@ -31,7 +31,9 @@ class Peer:
     needs: str | None = None  # importable module the peer requires
     cuda_only: bool = False
     triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
-    features: frozenset[str] = frozenset()  # of "fp8", "window", "paged" (``Shape.features``): wired up here for this peer
+    features: frozenset[str] = (
+        frozenset()
+    )  # of "fp8", "window", "paged" (``Shape.features``): wired up here for this peer
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -70,7 +72,9 @@ def _flex(s: Inputs):
 
     q, k, v, lens = s["q"], s["k_cache"], s["v_cache"], s["cache_seqlens"]
     fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention, fullgraph=True, dynamic=False))
-    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lens[b], q.shape[0], None, 1, k.shape[2], device=q.device)
+    mask = create_block_mask(
+        lambda b, h, q_idx, kv_idx: kv_idx < lens[b], q.shape[0], None, 1, k.shape[2], device=q.device
+    )
     q4 = q[:, :, None]
     return lambda: fn(q4, k, v, block_mask=mask, enable_gqa=True)[:, :, 0]
 
@@ -104,7 +108,11 @@ def varlen_args(s: Inputs) -> dict:
         flat = lambda c: c.transpose(1, 2).reshape(batch * cap, hkv, d)  # noqa: E731
         return args | dict(key=flat(k), value=flat(v), cu_seq_k=step * cap, seqused_k=lens, enable_gqa=True)
     group = q.shape[1] // hkv
-    packed = lambda c: torch.cat([c[b, :, :n].transpose(0, 1) for b, n in enumerate(lens.tolist())]).repeat_interleave(group, 1)  # noqa: E731
+
+    def packed(c: torch.Tensor) -> torch.Tensor:
+        rows = [c[b, :, :n].transpose(0, 1) for b, n in enumerate(lens.tolist())]
+        return torch.cat(rows).repeat_interleave(group, 1)
+
     cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     return args | dict(key=packed(k), value=packed(v), cu_seq_k=cu_k)
 
@@ -130,7 +138,12 @@ def _flashinfer_pages(s: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
     def paged(cache):
         pad = torch.nn.functional.pad(cache, (0, 0, 0, pages * FLASHINFER_PAGE - cap))
-        return pad.view(batch, hkv, pages, FLASHINFER_PAGE, d).permute(0, 2, 1, 3, 4).reshape(-1, hkv, FLASHINFER_PAGE, d).contiguous()
+        return (
+            pad.view(batch, hkv, pages, FLASHINFER_PAGE, d)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(-1, hkv, FLASHINFER_PAGE, d)
+            .contiguous()
+        )
 
     table = torch.arange(batch * pages, device=s["q"].device, dtype=torch.int32).view(batch, pages)
     return paged(s["k_cache"]), paged(s["v_cache"]), table, "HND"

@@ -10,8 +10,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SWEEP_TITLES = {"context": "context length", "heads": "heads (256k context)", "batch": "batch (16k context)",
-                "ragged": "mean / max length", "models": "model (batch 8, 8k)", "gqa": "query heads per KV head"}
+SWEEP_TITLES = {
+    "context": "context length",
+    "heads": "heads (256k context)",
+    "batch": "batch (16k context)",
+    "ragged": "mean / max length",
+    "models": "model (batch 8, 8k)",
+    "gqa": "query heads per KV head",
+}
 
 
 def _peers(rows: list[dict]) -> list[str]:
@@ -27,12 +33,16 @@ def plot_all(rows: list[dict], env: dict, out_dir: str) -> list[str]:
     paths = []
     for kind in ("speedup", "bandwidth"):
         cols = min(3, len(sweeps))
-        fig, axes = plt.subplots(-(-len(sweeps) // cols), cols, figsize=(5 * cols, 3.8 * -(-len(sweeps) // cols)), squeeze=False)
+        fig, axes = plt.subplots(
+            -(-len(sweeps) // cols), cols, figsize=(5 * cols, 3.8 * -(-len(sweeps) // cols)), squeeze=False
+        )
         for ax, sweep in zip(axes.flat, sweeps):
             _panel(ax, [r for r in rows if r["sweep"] == sweep], kind, sweep)
-        for ax in list(axes.flat)[len(sweeps):]:
+        for ax in list(axes.flat)[len(sweeps) :]:
             ax.axis("off")
-        fig.suptitle(("Lean speedup over each peer" if kind == "speedup" else "Achieved bandwidth, % of copy") + f" ({title})")
+        fig.suptitle(
+            ("Lean speedup over each peer" if kind == "speedup" else "Achieved bandwidth, % of copy") + f" ({title})"
+        )
         fig.tight_layout()
         path = os.path.join(out_dir, f"{kind}.png")
         fig.savefig(path, dpi=110)
@@ -47,7 +57,11 @@ def _panel(ax, rows: list[dict], kind: str, sweep: str) -> None:
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for peer in series:
             key = f"speedup_vs_{peer}" if kind == "speedup" else f"{peer}_pct_copy"
-            points = [(labels.index(r["x"]), float(r[key])) for r in rows if r["dtype"] == dtype and r.get(key) not in (None, "")]
+            points = [
+                (labels.index(r["x"]), float(r[key]))
+                for r in rows
+                if r["dtype"] == dtype and r.get(key) not in (None, "")
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=f"{'vs ' if kind == 'speedup' else ''}{peer} ({dtype})")
     if kind == "speedup":

@@ -19,9 +19,6 @@ import sys
 import time
 
 import torch
-
-from lean_tp import cli
-from lean_tp.model import CONFIGS
 from example_utils import (
     HF_DTYPES,
     MAX_GEN,
@@ -33,6 +30,10 @@ from example_utils import (
     random_left_padded_batch,
 )
 
+from lean_tp import cli
+from lean_tp.model import CONFIGS
+
+
 def hf_config(name: str):
     """A ``LlamaConfig`` of one of lean_tp's built-in shapes ("tiny" here is smaller still)."""
     from transformers import LlamaConfig
@@ -40,9 +41,18 @@ def hf_config(name: str):
     if name == "tiny":
         return LlamaConfig(**TINY_HF_LLAMA)
     a = CONFIGS[name]
-    return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
-                       num_key_value_heads=a.n_kv_heads, intermediate_size=a.intermediate_size, head_dim=a.head_dim,
-                       rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len, pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        intermediate_size=a.intermediate_size,
+        head_dim=a.head_dim,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_seq_len,
+        pad_token_id=0,
+    )
 
 
 def load(args, attn_implementation: str):
@@ -50,26 +60,42 @@ def load(args, attn_implementation: str):
 
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
-        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            args.checkpoint, attn_implementation=attn_implementation, dtype=dtype
+        )
     else:
         torch.manual_seed(args.seed)  # the same random weights for the lean and the SDPA copy
         with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(hf_config(args.config), attn_implementation=attn_implementation, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(
+                hf_config(args.config), attn_implementation=attn_implementation, dtype=dtype
+            )
     return model.to(args.device).eval()
 
 
 def parse_args(argv: list[str] | None):
     p = cli.ArgumentParser(prog="compile_hf.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=hf_checkpoint, help="Hugging Face model directory (real weights)")
-    p.add_argument("--config", default="tiny", type=cli.choice(*sorted(CONFIGS)),
-                   help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)")
-    p.add_argument("--attention", default="lean", type=cli.choice("lean", "sdpa"), help="sdpa: the same run without lean")
+    p.add_argument(
+        "--config",
+        default="tiny",
+        type=cli.choice(*sorted(CONFIGS)),
+        help="random weights of this shape when no --checkpoint (e.g. llama-3-8b for speed runs)",
+    )
+    p.add_argument(
+        "--attention", default="lean", type=cli.choice("lean", "sdpa"), help="sdpa: the same run without lean"
+    )
     p.add_argument("--batch", type=cli.integer(1, 4096), default=4)
-    p.add_argument("--prompt-len", type=cli.integer_list(1), default="9,33,64,100",
-                   help="one length, or a comma list of --batch lengths")
+    p.add_argument(
+        "--prompt-len",
+        type=cli.integer_list(1),
+        default="9,33,64,100",
+        help="one length, or a comma list of --batch lengths",
+    )
     p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=32)
     p.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument(
+        "--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
+    )
     p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with an eager SDPA copy")
     args = p.parse_args(argv)
@@ -85,29 +111,40 @@ def main(argv: list[str] | None = None) -> int:
     import lean_tp.integrations.transformers as lean_hf
 
     lens = args.lens
-    print("building the model, compiling it and generating (first call: torch.compile, ~30-60 s on CPU) ...", flush=True)
+    print(
+        "building the model, compiling it and generating (first call: torch.compile, ~30-60 s on CPU) ...", flush=True
+    )
     model = load(args, lean_hf.register() if args.attention == "lean" else "sdpa")
     mode = "reduce-overhead" if args.device.startswith("cuda") else None  # CUDA graphs on CUDA
     model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
     ids, mask = random_left_padded_batch(lens, model.config.vocab_size, args.seed, args.device)
-    kwargs = dict(attention_mask=mask, max_new_tokens=args.gen, do_sample=False, cache_implementation="static",
-                  pad_token_id=model.config.pad_token_id or 0)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=args.gen,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=model.config.pad_token_id or 0,
+    )
     torch._dynamo.utils.counters.clear()
-    model.generate(ids, **kwargs, streamer=TokenProgress(args.gen, "compile run"))  # compile (and record CUDA graphs) before timing
+    model.generate(
+        ids, **kwargs, streamer=TokenProgress(args.gen, "compile run")
+    )  # compile (and record CUDA graphs) before timing
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    print(f"{args.attention} attention, compiled with fullgraph=True: {breaks} graph breaks; batch {args.batch}, prompt lengths "
-          f"{','.join(map(str, lens))}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)")
+    print(
+        f"{args.attention} attention, compiled with fullgraph=True: {breaks} graph breaks; batch {args.batch}, prompt lengths "
+        f"{','.join(map(str, lens))}; {args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s, with prefill)"
+    )
     if not args.check:
         return 0
     print("check: generating the same tokens with an eager SDPA copy ...", flush=True)
     expected = load(args, "sdpa").generate(ids, **kwargs, streamer=TokenProgress(args.gen, "eager SDPA"))
     if torch.equal(out, expected):
-        print(f"check: OK ({out[:, ids.shape[1]:].numel()} tokens identical to eager SDPA)")
+        print(f"check: OK ({out[:, ids.shape[1] :].numel()} tokens identical to eager SDPA)")
         return 0
     b, i = (int(x) for x in (out != expected).nonzero()[0])
     print(f"check: MISMATCH at sequence {b}, position {i}: lean {int(out[b, i])}, sdpa {int(expected[b, i])}")

@@ -22,6 +22,7 @@ import statistics
 import sys
 
 import torch
+from example_utils import MAX_GEN, check_positions, hf_checkpoint, make_prompts, prompt_lens_flag
 
 from lean_tp import cli
 from lean_tp.distributed import (
@@ -44,11 +45,16 @@ from lean_tp.generate import Generation, decode_one, generate
 from lean_tp.model import CONFIGS, FP8_KV_DTYPE, ModelArgs, Transformer, build_model
 from lean_tp.profiling import attention_fraction
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
-from example_utils import MAX_GEN, check_positions, hf_checkpoint, make_prompts, prompt_lens_flag
 
 # --dtype's names, and the torch dtype each one means
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
-               "float32": "float32"}
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 # (atol, rtol) on logits for --check. fp32: TP only reorders the row-parallel sums (~1e-6).
 # fp16/bf16: activations are rounded at every layer boundary, so a few ulps accumulate over layers.
@@ -65,25 +71,47 @@ PROGRESS_MIN_STEPS = 100
 def make_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="decode_tp.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", type=cli.choice(*sorted(CONFIGS)), help="built-in config, random weights")
-    p.add_argument("--checkpoint", type=hf_checkpoint,
-                   help="Hugging Face directory (config.json + *.safetensors); overrides --model")
+    p.add_argument(
+        "--checkpoint",
+        type=hf_checkpoint,
+        help="Hugging Face directory (config.json + *.safetensors); overrides --model",
+    )
     p.add_argument("--batch", type=cli.integer(1, 4096), default=4)
-    p.add_argument("--prompt-len", type=cli.integer_list(1), default="32,64,96,128",
-                   help="one length for every sequence, or a comma list of --batch lengths (ragged batch)")
+    p.add_argument(
+        "--prompt-len",
+        type=cli.integer_list(1),
+        default="32,64,96,128",
+        help="one length for every sequence, or a comma list of --batch lengths (ragged batch)",
+    )
     p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=64, help="tokens to generate per sequence")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (fullgraph; CUDA graphs via reduce-overhead on CUDA)",
+    )
     p.add_argument("--device", type=cli.choice("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--dtype", type=cli.choice(*sorted(DTYPE_NAMES)), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--cp", type=cli.integer_list(1, 1024), default="1",
-                   help="context-parallel size C: the world is TP x C, each head's sequence sharded over C ranks; "
-                        "a comma list runs each layout in turn")
+    p.add_argument(
+        "--cp",
+        type=cli.integer_list(1, 1024),
+        default="1",
+        help="context-parallel size C: the world is TP x C, each head's sequence sharded over C ranks; "
+        "a comma list runs each layout in turn",
+    )
     p.add_argument("--attention", type=cli.choice("lean", "sdpa"), default="lean", help="decode attention")
-    p.add_argument("--kv-dtype", type=cli.choice("auto", "fp8"), default="auto",
-                   help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)")
+    p.add_argument(
+        "--kv-dtype",
+        type=cli.choice("auto", "fp8"),
+        default="auto",
+        help="KV cache: the model's dtype, or fp8 e4m3 with per-KV-head scales (needs --dtype bf16/fp16)",
+    )
     p.add_argument("--seed", type=cli.integer(0), default=0)
-    p.add_argument("--timeout", type=cli.number(0, strict_lo=True), default=DEFAULT_TIMEOUT_S,
-                   help="seconds before a stuck collective fails the job")
+    p.add_argument(
+        "--timeout",
+        type=cli.number(0, strict_lo=True),
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds before a stuck collective fails the job",
+    )
     p.add_argument("--check", action="store_true", help="compare against the same model in one process")
     return p
 
@@ -125,7 +153,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 MEMORY_SHARE = 0.85
 
 
-def rank_bytes(config: ModelArgs, world: int, cp: int, batch: int, capacity: int, dtype_bytes: int, kv_bytes: int) -> int:
+def rank_bytes(
+    config: ModelArgs, world: int, cp: int, batch: int, capacity: int, dtype_bytes: int, kv_bytes: int
+) -> int:
     """Weights and KV cache of one rank (TP = world / cp): attention projections sharded by heads
     over TP (KV heads replicated where TP exceeds them), the MLP over every rank, embedding and LM
     head replicated; each KV head's sequence split over cp ranks. The head counts must be
@@ -139,7 +169,9 @@ def rank_bytes(config: ModelArgs, world: int, cp: int, batch: int, capacity: int
     return (config.n_layers * (attn + mlp) + embed) * dtype_bytes + kv
 
 
-def check_memory(p: cli.ArgumentParser, args: argparse.Namespace, config: ModelArgs, world: int, local_world: int) -> None:
+def check_memory(
+    p: cli.ArgumentParser, args: argparse.Namespace, config: ModelArgs, world: int, local_world: int
+) -> None:
     """Refuse, before any rank builds anything, a run whose weights and KV caches exceed the
     device's memory: a GPU's per rank, or the host's for all the ranks that share it on CPU (and,
     with --check, one more unsharded copy on rank 0's device)."""
@@ -153,10 +185,14 @@ def check_memory(p: cli.ArgumentParser, args: argparse.Namespace, config: ModelA
         need += rank_bytes(config, 1, 1, batch, capacity, dtype.itemsize, dtype.itemsize)
     have = cli.memory_bytes(dev)
     if need > MEMORY_SHARE * have:
-        where = f"{sharers} rank{'s' if sharers > 1 else ''} on {dev}" + (" and --check's unsharded copy" if args.check else "")
-        p.fail("--checkpoint" if args.checkpoint else "--model",
-               f"weights and KV caches within {MEMORY_SHARE:.0%} of the {dev} memory ({have / 2**30:.1f} GiB)",
-               f"{args.checkpoint or args.model}: {need / 2**30:.1f} GiB for {where}")  # fmt: skip
+        where = f"{sharers} rank{'s' if sharers > 1 else ''} on {dev}" + (
+            " and --check's unsharded copy" if args.check else ""
+        )
+        p.fail(
+            "--checkpoint" if args.checkpoint else "--model",
+            f"weights and KV caches within {MEMORY_SHARE:.0%} of the {dev} memory ({have / 2**30:.1f} GiB)",
+            f"{args.checkpoint or args.model}: {need / 2**30:.1f} GiB for {where}",
+        )
 
 
 def run_dtype(args: argparse.Namespace, device_type: str) -> torch.dtype:
@@ -168,9 +204,18 @@ def model_config(args: argparse.Namespace) -> ModelArgs:
     return read_hf_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
 
 
-def build(args: argparse.Namespace, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-          max_batch: int, capacity: int, kv_dtype: str = "auto", cp: int = 1,
-          groups: ParallelGroups | None = None) -> Transformer:  # fmt: skip
+def build(
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_batch: int,
+    capacity: int,
+    kv_dtype: str = "auto",
+    cp: int = 1,
+    groups: ParallelGroups | None = None,
+) -> Transformer:
     """Meta model -> shard for (rank, world = TP x cp) -> load this rank's weights -> caches."""
     model = build_model(model_config(args))
     apply_tp(model, rank, world, cp, groups)
@@ -188,26 +233,34 @@ def compiled_step(device: torch.device):
     return torch.compile(decode_one, mode=mode, fullgraph=True)
 
 
-def run(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int],
-        cp: int) -> tuple[Generation, float | None, list]:  # fmt: skip
+def run(
+    args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int], cp: int
+) -> tuple[Generation, float | None, list]:
     capacity = max(prompt_lens) + args.gen
     groups = init_parallel_groups(ctx, cp)
-    model = build(args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity, args.kv_dtype,
-                  cp, groups)  # fmt: skip
+    model = build(
+        args, ctx.rank, ctx.world_size, ctx.device, dtype, len(prompt_lens), capacity, args.kv_dtype, cp, groups
+    )
     grids = gather_objects(ctx, f"{describe_grid(model)}; KV cache {model.kv_cache_bytes() / 2**20:.2f} MiB")
     prompt = make_prompts(prompt_lens, model.args.vocab_size, args.seed, ctx.device)
     step = compiled_step(ctx.device) if args.compile else decode_one
     if args.compile:  # compile, and record CUDA graphs, before timing
         if ctx.is_main:
-            print("compiling the decode step (torch.compile fullgraph; ~45 s on CPU, minutes for big models) ...", flush=True)
+            print(
+                "compiling the decode step (torch.compile fullgraph; ~45 s on CPU, minutes for big models) ...",
+                flush=True,
+            )
         generate(model, prompt, prompt_lens, min(args.gen, 4), step=step)
-    result = generate(model, prompt, prompt_lens, args.gen, step=step,
-                      progress=ctx.is_main and args.gen >= PROGRESS_MIN_STEPS)
+    result = generate(
+        model, prompt, prompt_lens, args.gen, step=step, progress=ctx.is_main and args.gen >= PROGRESS_MIN_STEPS
+    )
     share = attention_fraction(model, step, prompt_lens, profiled_steps(args.gen), ctx.device)
     return result, share, grids
 
 
-def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int], result: Generation) -> tuple[bool, str]:
+def check(
+    args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt_lens: list[int], result: Generation
+) -> tuple[bool, str]:
     """Rerun in this process, unsharded and eager, teacher-forced with ``result``'s tokens (with a
     cache in ``dtype``: an fp8 run is checked against the 16-bit cache, within FP8_CHECK_TOLERANCE)."""
     model = build(args, 0, 1, ctx.device, dtype, len(prompt_lens), max(prompt_lens) + args.gen)
@@ -219,8 +272,10 @@ def check(args: argparse.Namespace, ctx: DistContext, dtype: torch.dtype, prompt
     real = differ & (ref.margins > tie)
     if real.any():
         b, i = (int(x) for x in real.nonzero()[0])
-        return False, (f"first mismatch at token {i} of sequence {b}: got {int(result.tokens[b, i])}, "
-                       f"single process gives {int(ref.tokens[b, i])} (logit margin {float(ref.margins[b, i]):.3g} > {tie:.3g})")
+        return False, (
+            f"first mismatch at token {i} of sequence {b}: got {int(result.tokens[b, i])}, "
+            f"single process gives {int(ref.tokens[b, i])} (logit margin {float(ref.margins[b, i]):.3g} > {tie:.3g})"
+        )
     diff = (result.logits - ref.logits).abs().max().item()
     if not torch.allclose(result.logits, ref.logits, atol=atol, rtol=rtol):
         return False, f"final logits differ: max |diff| {diff:.3g} exceeds atol {atol:g} + rtol {rtol:g}"
@@ -243,19 +298,27 @@ def profiled_steps(gen: int) -> int:
 def report(args, ctx, dtype, prompt_lens, cp: int, result: Generation, share: float | None, grids: list) -> None:
     source = args.checkpoint or args.model
     layout = f" (tp {ctx.world_size // cp} x cp {cp})" if cp > 1 else ""
-    print(f"lean_tp decode: {source}, world {ctx.world_size}{layout}, {ctx.device.type}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {args.attention}, kv cache {args.kv_dtype}, compile {'on' if args.compile else 'off'}")
+    print(
+        f"lean_tp decode: {source}, world {ctx.world_size}{layout}, {ctx.device.type}, {str(dtype).removeprefix('torch.')}, "
+        f"attention {args.attention}, kv cache {args.kv_dtype}, compile {'on' if args.compile else 'off'}"
+    )
     for rank, grid in enumerate(grids):
         print(f"  rank {rank}: {grid}")
-    print(f"prefill: {result.prefill_s * 1e3:.2f} ms (batch {len(prompt_lens)}, prompt lengths {','.join(map(str, prompt_lens))})")
+    print(
+        f"prefill: {result.prefill_s * 1e3:.2f} ms (batch {len(prompt_lens)}, prompt lengths {','.join(map(str, prompt_lens))})"
+    )
     if result.step_s:
         median = statistics.median(result.step_s)
-        print(f"decode: {len(result.step_s)} steps, median {median * 1e3:.3f} ms/step, "
-              f"{len(prompt_lens) / median:.1f} tokens/s")
+        print(
+            f"decode: {len(result.step_s)} steps, median {median * 1e3:.3f} ms/step, "
+            f"{len(prompt_lens) / median:.1f} tokens/s"
+        )
     if not profiled_steps(args.gen):
         print(f"attention: not profiled (runs of more than {2 * PROFILE_STEPS} tokens profile {PROFILE_STEPS} steps)")
     else:
-        print(f"attention: {'not measurable' if share is None else f'{share:.0%} of decode time (profiled over {PROFILE_STEPS} steps)'}")
+        print(
+            f"attention: {'not measurable' if share is None else f'{share:.0%} of decode time (profiled over {PROFILE_STEPS} steps)'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.check:
                 ok, message = check(args, ctx, dtype, prompt_lens, result) if ctx.is_main else (True, "")
                 same = len(set(gather_objects(ctx, _digest(result)))) == 1
-                ok, message = ok and same, f"{message}; every rank's tokens and logits {'bitwise identical' if same else 'DIFFER'}"
+                ok, message = (
+                    ok and same,
+                    f"{message}; every rank's tokens and logits {'bitwise identical' if same else 'DIFFER'}",
+                )
                 ok = all_ranks_agree(ctx, ok)
                 all_ok &= ok
                 if ctx.is_main:

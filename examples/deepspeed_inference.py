@@ -25,8 +25,6 @@ import time
 import types
 
 import torch
-
-from lean_tp import cli
 from example_utils import (
     HF_DTYPES,
     MAX_GEN,
@@ -36,6 +34,9 @@ from example_utils import (
     prompt_lens_flag,
     random_left_padded_batch,
 )
+
+from lean_tp import cli
+
 
 def load(args) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -51,10 +52,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="deepspeed_inference.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=hf_checkpoint, help="Hugging Face model directory; default a tiny random Llama")
     p.add_argument("--batch", type=cli.integer(1, 4096), default=3)
-    p.add_argument("--prompt-len", type=cli.integer_list(1), default="5,17,40",
-                   help="one length, or a comma list of --batch lengths")
+    p.add_argument(
+        "--prompt-len",
+        type=cli.integer_list(1),
+        default="5,17,40",
+        help="one length, or a comma list of --batch lengths",
+    )
     p.add_argument("--gen", type=cli.integer(1, MAX_GEN), default=16)
-    p.add_argument("--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument(
+        "--dtype", type=cli.choice(*HF_DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32"
+    )
     p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--check", action="store_true", help="compare every token with the unsharded model")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -94,19 +101,23 @@ def main(argv: list[str] | None = None) -> int:
     engine = init_inference(model, tp_size=world, dtype=getattr(torch, args.dtype))
     device = next(engine.module.parameters()).device
     ids, mask = random_left_padded_batch(lens, model.config.vocab_size, args.seed, device)
-    kwargs = dict(attention_mask=mask, max_new_tokens=args.gen, do_sample=False, pad_token_id=model.config.pad_token_id or 0)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=args.gen, do_sample=False, pad_token_id=model.config.pad_token_id or 0
+    )
     start = time.perf_counter()
     out = engine.module.generate(ids, **kwargs)
     seconds = time.perf_counter() - start
     ok = True
     if rank == 0:
-        print(f"deepspeed AutoTP, tp {world}, lean attention: batch {args.batch}, prompt lengths {','.join(map(str, lens))}, "
-              f"{args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s)")
+        print(
+            f"deepspeed AutoTP, tp {world}, lean attention: batch {args.batch}, prompt lengths {','.join(map(str, lens))}, "
+            f"{args.gen} tokens in {seconds:.2f} s ({args.batch * args.gen / seconds:.1f} tokens/s)"
+        )
     if args.check:
         if rank == 0:
             expected = reference.to(device).generate(ids, **kwargs)
             ok = torch.equal(out.cpu(), expected.cpu())
-            detail = f"{out[:, ids.shape[1]:].numel()} tokens identical to the unsharded model"
+            detail = f"{out[:, ids.shape[1] :].numel()} tokens identical to the unsharded model"
             if not ok:
                 b, i = (int(x) for x in (out.cpu() != expected.cpu()).nonzero()[0])
                 detail = f"first mismatch at sequence {b}, position {i}: {int(out[b, i])} vs {int(expected[b, i])}"

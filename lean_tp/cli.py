@@ -188,7 +188,9 @@ def output_file(text: str) -> str:
         with open(text, "a"):
             pass
     except OSError:
-        raise argparse.ArgumentTypeError(f"expected a writable file path in an existing directory, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a writable file path in an existing directory, got {text!r}"
+        ) from None
     return text
 
 
@@ -210,8 +212,17 @@ class _Lines(io.TextIOBase):
         self.stream.flush()
 
 
-def progress(iterable: Iterable | None = None, *, desc: str, unit: str = "it", total: int | None = None,
-             eta: bool = True, leave: bool = True, disable: bool = False, stream: Any = None):
+def progress(
+    iterable: Iterable | None = None,
+    *,
+    desc: str,
+    unit: str = "it",
+    total: int | None = None,
+    eta: bool = True,
+    leave: bool = True,
+    disable: bool = False,
+    stream: Any = None,
+):
     """A tqdm bar on a terminal (after PROGRESS_DELAY_S); in a log, plain lines at the start, every
     LOG_INTERVAL_S seconds and at the end.
 
@@ -227,6 +238,16 @@ def progress(iterable: Iterable | None = None, *, desc: str, unit: str = "it", t
         fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}" + ("<{remaining}, " + rate if eta else "") + "]"
     else:
         fmt = "{desc}: {n_fmt}/{total_fmt} " + unit + " [{elapsed}" + ("<{remaining}" if eta else "") + "]"
-    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave if tty else True, disable=disable,
-                file=stream if tty else _Lines(stream), mininterval=0.1 if tty else LOG_INTERVAL_S,
-                bar_format=fmt, dynamic_ncols=tty, delay=PROGRESS_DELAY_S if tty else 0.0)  # fmt: skip
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        leave=leave if tty else True,
+        disable=disable,
+        file=stream if tty else _Lines(stream),
+        mininterval=0.1 if tty else LOG_INTERVAL_S,
+        bar_format=fmt,
+        dynamic_ncols=tty,
+        delay=PROGRESS_DELAY_S if tty else 0.0,
+    )

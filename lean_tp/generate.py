@@ -69,8 +69,16 @@ def check_lengths(model: Transformer, prompt_lens: list[int], gen: int) -> None:
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompt: torch.Tensor, prompt_lens: list[int], gen: int, *,
-             step: StepFn = decode_one, forced: torch.Tensor | None = None, progress: bool = False) -> Generation:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    prompt_lens: list[int],
+    gen: int,
+    *,
+    step: StepFn = decode_one,
+    forced: torch.Tensor | None = None,
+    progress: bool = False,
+) -> Generation:
     """Greedy decode of ``gen`` tokens after ``prompt`` (B, T) with per-sequence ``prompt_lens``.
 
     ``forced`` (B, gen) teacher-forces the inputs (``--check`` feeds the run under test's tokens to
@@ -107,6 +115,9 @@ def generate(model: Transformer, prompt: torch.Tensor, prompt_lens: list[int], g
         lens = lens + 1
         clock.mark()
     return Generation(
-        tokens=tokens.cpu(), logits=logits.float().cpu(), prefill_s=prefill_s, step_s=clock.intervals(),
+        tokens=tokens.cpu(),
+        logits=logits.float().cpu(),
+        prefill_s=prefill_s,
+        step_s=clock.intervals(),
         margins=margins.cpu() if margins is not None else None,
     )

@@ -14,13 +14,14 @@ padded into attention.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lean_tp.distributed.cp import ContextShard, context_parallel_attention
 from lean_tp.ops import decode_attention
 
 ATTENTION_IMPLS = ("lean", "sdpa")
@@ -58,9 +59,7 @@ class ModelArgs:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads: expected a multiple of n_kv_heads ({self.n_kv_heads}), got {self.n_heads}"
-            )
+            raise ValueError(f"n_heads: expected a multiple of n_kv_heads ({self.n_kv_heads}), got {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: expected an even number for RoPE, got {self.head_dim}")
 
@@ -68,19 +67,53 @@ class ModelArgs:
 # Published shapes. Real runs load weights with --checkpoint; these names give random weights of
 # the right size for speed runs. "tiny" has Hq=8, Hkv=2 so that 4 and 8 ranks replicate KV heads.
 CONFIGS: dict[str, ModelArgs] = {
-    "tiny": ModelArgs(vocab_size=1024, dim=512, n_layers=2, n_heads=8, n_kv_heads=2,
-                      intermediate_size=1024, max_seq_len=4096),
-    "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                            intermediate_size=14336, rope_theta=500000.0, max_seq_len=8192),
-    "llama-3.1-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                              intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
-                              max_seq_len=131072),
-    "llama-3-70b": ModelArgs(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                             intermediate_size=28672, rope_theta=500000.0, max_seq_len=8192),
-    "mistral-7b": ModelArgs(vocab_size=32768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                            intermediate_size=14336, rope_theta=1000000.0, max_seq_len=32768),
-    "phi-3-medium": ModelArgs(vocab_size=32064, dim=5120, n_layers=40, n_heads=40, n_kv_heads=10,
-                              intermediate_size=17920, max_seq_len=4096),
+    "tiny": ModelArgs(
+        vocab_size=1024, dim=512, n_layers=2, n_heads=8, n_kv_heads=2, intermediate_size=1024, max_seq_len=4096
+    ),
+    "llama-3-8b": ModelArgs(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    "llama-3.1-8b": ModelArgs(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+        max_seq_len=131072,
+    ),
+    "llama-3-70b": ModelArgs(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        intermediate_size=28672,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    "mistral-7b": ModelArgs(
+        vocab_size=32768,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=1000000.0,
+        max_seq_len=32768,
+    ),
+    "phi-3-medium": ModelArgs(
+        vocab_size=32064, dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, intermediate_size=17920, max_seq_len=4096
+    ),
 }
 
 
@@ -102,7 +135,9 @@ def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> 
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (B, T) -> cos, sin (B, 1, T, head_dim), computed in float32 then cast."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
@@ -134,6 +169,21 @@ FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
 FP8_HEADROOM = 2.0
 
 
+class CacheShard(Protocol):
+    """Which positions of each sequence this rank's cache holds, and in which slots
+    (``lean_tp.distributed.ContextShard``, which context parallelism installs)."""
+
+    def capacity(self, n: int) -> int: ...
+    def positions(self, n: int, device: torch.device | str | None = None) -> torch.Tensor: ...
+    def owns(self, pos: torch.Tensor) -> torch.Tensor: ...
+    def slot(self, pos: torch.Tensor) -> torch.Tensor: ...
+
+
+# Decode attention over a layer's cache: (q (B, Hq, D), cache, lengths (B,) int32 including this
+# token, backend) -> (B, Hq, D). ``lean_tp.distributed.apply_tp`` installs context parallelism's.
+AttendFn = Callable[[torch.Tensor, "KVCache", torch.Tensor, str], torch.Tensor]
+
+
 class KVCache(nn.Module):
     """Static cache, k and v (B, Hkv, S, D), written in place so CUDA graphs can replay steps.
 
@@ -146,8 +196,16 @@ class KVCache(nn.Module):
     from the whole prompt (so they agree on every CP rank).
     """
 
-    def __init__(self, batch: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, shard: ContextShard | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: CacheShard | None = None,
+    ) -> None:
         super().__init__()
         self.capacity, self.shard = capacity, shard
         slots = capacity if shard is None else shard.capacity(capacity) + 1
@@ -208,12 +266,13 @@ class Attention(nn.Module):
         self.impl = "lean"
         self.backend = "auto"
         # Context parallelism (lean_tp.distributed.apply_tp): this rank's share of each sequence,
-        # and the group of ranks that hold the other shares of the same heads.
-        self.cp: ContextShard | None = None
-        self.cp_group = None
+        # and the attention that merges it with the other ranks' shares.
+        self.shard: CacheShard | None = None
+        self.attend: AttendFn | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                input_pos: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+    ) -> torch.Tensor:
         """x (B, T, dim). input_pos None: prefill at positions 0..T-1; else (B,) int32 lengths
         before this step, and T == 1."""
         if self.kv_cache is None:
@@ -234,16 +293,17 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
         cache = self.kv_cache
-        if self.cp is not None:
-            return context_parallel_attention(q, cache.k, cache.v, lengths, self.cp, self.cp_group, backend=self.backend,
-                                              k_scale=cache.k_scale, v_scale=cache.v_scale)  # fmt: skip
+        if self.attend is not None:
+            return self.attend(q, cache, lengths, self.backend)
         if self.impl == "lean":
-            return decode_attention(q, cache.k, cache.v, lengths, backend=self.backend, k_scale=cache.k_scale,
-                                    v_scale=cache.v_scale)  # fmt: skip
+            return decode_attention(
+                q, cache.k, cache.v, lengths, backend=self.backend, k_scale=cache.k_scale, v_scale=cache.v_scale
+            )
         k_cache, v_cache = (x.to(q.dtype) for x in cache.dequantized())
         mask = torch.arange(k_cache.shape[2], device=q.device) < lengths[:, None]
-        y = F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None],
-                                           enable_gqa=True)
+        y = F.scaled_dot_product_attention(
+            q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None], enable_gqa=True
+        )
         return y[:, :, 0]
 
 
@@ -303,8 +363,10 @@ class Transformer(nn.Module):
         """Decode attention: ``"lean"`` (``lean_tp.decode_attention`` with ``backend``) or ``"sdpa"``."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
-        if impl != "lean" and self.attention_modules()[0].cp is not None:
-            raise ValueError(f"impl: expected 'lean' under context parallelism (the merge needs each share's lse), got {impl!r}")
+        if impl != "lean" and self.attention_modules()[0].shard is not None:
+            raise ValueError(
+                f"impl: expected 'lean' under context parallelism (the merge needs each share's lse), got {impl!r}"
+            )
         for attn in self.attention_modules():
             attn.impl, attn.backend = impl, backend
 
@@ -317,8 +379,9 @@ class Transformer(nn.Module):
         weight = self.lm_head.weight
         dtype = dtype or weight.dtype
         for attn in self.attention_modules():
-            attn.kv_cache = KVCache(max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device,
-                                    attn.cp)  # fmt: skip
+            attn.kv_cache = KVCache(
+                max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device, attn.shard
+            )
         self.inv_freq = rope_inv_freq(self.args, weight.device)
 
     def cache_capacity(self) -> int:
@@ -362,4 +425,3 @@ def build_model(args: ModelArgs | str, device: torch.device | str = "meta") -> T
         args = CONFIGS[args]
     with torch.device(device):
         return Transformer(args)
-

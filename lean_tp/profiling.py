@@ -13,8 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 from lean_tp.model import Transformer
 
 # Op names (CPU) and kernel-name fragments (CUDA) that count as decode attention.
-_CPU_OPS = ("lean_tp::decode_attention", "aten::scaled_dot_product_attention",
-            "aten::_scaled_dot_product_flash_attention_for_cpu")
+_CPU_OPS = (
+    "lean_tp::decode_attention",
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+)
 _KERNEL_MARKS = ("attention", "fmha", "flash")
 
 
@@ -37,7 +40,9 @@ def _quiet_kineto(cpu: bool):
 
 
 @torch.inference_mode()
-def attention_fraction(model: Transformer, step, prompt_lens: list[int], steps: int, device: torch.device) -> float | None:
+def attention_fraction(
+    model: Transformer, step, prompt_lens: list[int], steps: int, device: torch.device
+) -> float | None:
     """Run ``steps`` decode steps after the prompts (the cache must have room: capacity >=
     max(prompt_lens) + steps) and return attention time / decode time, or None if not measurable."""
     if steps < 1:

@@ -27,8 +27,9 @@ def materialize(model: Transformer, device: torch.device | str, dtype: torch.dty
     model.tie_weights()
 
 
-def init_random_weights(model: Transformer, seed: int, device: torch.device | str, dtype: torch.dtype,
-                        std: float = 0.02) -> None:
+def init_random_weights(
+    model: Transformer, seed: int, device: torch.device | str, dtype: torch.dtype, std: float = 0.02
+) -> None:
     """Normal(0, std) matrices and unit norm weights, generated on ``device`` from (seed, name)."""
     materialize(model, device, dtype)
     shards = getattr(model, "tp_shards", {})
@@ -55,8 +56,12 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind != "llama3":
         raise ValueError(f"config.json: expected rope_type 'default' or 'llama3', got {kind!r}")
-    return theta, RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    return theta, RopeScaling(
+        float(params["factor"]),
+        float(params["low_freq_factor"]),
+        float(params["high_freq_factor"]),
+        int(params["original_max_position_embeddings"]),
+    )
 
 
 def read_hf_config(path: str | Path) -> ModelArgs:
@@ -72,12 +77,18 @@ def read_hf_config(path: str | Path) -> ModelArgs:
     if cfg.get("sliding_window"):
         max_seq = min(max_seq, int(cfg["sliding_window"]))
     return ModelArgs(
-        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
         n_heads=cfg["num_attention_heads"],
         n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-        max_seq_len=max_seq, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        intermediate_size=cfg["intermediate_size"],
+        head_dim=cfg.get("head_dim") or 0,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=max_seq,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
 
 

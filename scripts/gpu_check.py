@@ -26,17 +26,49 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 # Single-GPU decode loop: llama-3-8b (random weights, bf16), a ragged batch.
-DECODE_TP = ["examples/decode_tp.py", "--model", "llama-3-8b", "--batch", "8", "--gen", "128",
-             "--prompt-len", "256,512,1024,2048,4096,6144,7000,7900"]
-COMPILE_HF = ["examples/compile_hf.py", "--config", "llama-3-8b", "--batch", "8", "--prompt-len", "4000", "--gen", "128"]
-DECODE_TP_VARIANTS = {"eager lean": [], "eager sdpa": ["--attention", "sdpa"],
-                      "compiled lean": ["--compile"], "compiled sdpa": ["--compile", "--attention", "sdpa"]}
+DECODE_TP = [
+    "examples/decode_tp.py",
+    "--model",
+    "llama-3-8b",
+    "--batch",
+    "8",
+    "--gen",
+    "128",
+    "--prompt-len",
+    "256,512,1024,2048,4096,6144,7000,7900",
+]
+COMPILE_HF = [
+    "examples/compile_hf.py",
+    "--config",
+    "llama-3-8b",
+    "--batch",
+    "8",
+    "--prompt-len",
+    "4000",
+    "--gen",
+    "128",
+]
+DECODE_TP_VARIANTS = {
+    "eager lean": [],
+    "eager sdpa": ["--attention", "sdpa"],
+    "compiled lean": ["--compile"],
+    "compiled sdpa": ["--compile", "--attention", "sdpa"],
+}
 GROUPS = ("tests", "bench", "sanitizer", "loops")  # in order of value: a short budget runs the first
 MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
 # module name -> distribution name, for the versions reported in the record
-PACKAGES = {"torch": "torch", "triton": "triton", "transformers": "transformers", "numpy": "numpy",
-            "pytest": "pytest", "hypothesis": "hypothesis", "matplotlib": "matplotlib", "deepspeed": "deepspeed",
-            "flash_attn": "flash-attn", "flashinfer": "flashinfer-python"}
+PACKAGES = {
+    "torch": "torch",
+    "triton": "triton",
+    "transformers": "transformers",
+    "numpy": "numpy",
+    "pytest": "pytest",
+    "hypothesis": "hypothesis",
+    "matplotlib": "matplotlib",
+    "deepspeed": "deepspeed",
+    "flash_attn": "flash-attn",
+    "flashinfer": "flashinfer-python",
+}
 
 
 def packages() -> dict[str, str]:
@@ -57,7 +89,13 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
     """(name, command, timeout in seconds) of each step of the chosen groups, in GROUPS order."""
     steps = []
     if "tests" in groups:
-        steps.append(("pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"], 300))
+        steps.append(
+            (
+                "pytest tests/gpu",
+                [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"],
+                300,
+            )
+        )
     if "bench" in groups:
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
     if "sanitizer" in groups:
@@ -80,7 +118,9 @@ def run(name: str, cmd: list[str], out_dir: str, timeout: float) -> dict:
     start = time.time()
     with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
             status = "PASS" if rc == 0 else f"FAIL (rc={rc})"
         except subprocess.TimeoutExpired:
             status = f"TIMEOUT ({timeout:.0f}s)"
@@ -120,11 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     from lean_tp import cli
 
     parser = cli.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=cli.output_dir, default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check")))
-    parser.add_argument("--groups", nargs="+", type=cli.choice(*GROUPS), default=list(GROUPS),
-                        help="run only these groups, e.g. one group per time-limited device call")
-    parser.add_argument("--budget", type=cli.number(MIN_STEP_SECONDS, 24 * 3600), default=480,
-                        help="seconds for all steps together (480)")
+    parser.add_argument(
+        "--out", type=cli.output_dir, default=os.environ.get("OUT", os.path.join(ROOT, "out", "gpu_check"))
+    )
+    parser.add_argument(
+        "--groups",
+        nargs="+",
+        type=cli.choice(*GROUPS),
+        default=list(GROUPS),
+        help="run only these groups, e.g. one group per time-limited device call",
+    )
+    parser.add_argument(
+        "--budget",
+        type=cli.number(MIN_STEP_SECONDS, 24 * 3600),
+        default=480,
+        help="seconds for all steps together (480)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -136,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     env = environment(device, copy_bandwidth(device))  # the record of a run without the benchmark has it too
     found = packages()
-    print(f"device: {env['device']} ({env['sm_count']} SMs), driver {env['driver']}; "
-          + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
+    print(
+        f"device: {env['device']} ({env['sm_count']} SMs), driver {env['driver']}; "
+        + ", ".join(f"{k} {v}" for k, v in found.items()),
+        flush=True,
+    )
     deadline, steps = time.time() + args.budget, []
     for name, cmd, timeout in planned_steps(args.groups, sys.executable, args.out):
         left = deadline - time.time()

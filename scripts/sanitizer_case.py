@@ -1,6 +1,6 @@
 """A small decode case for compute-sanitizer: every output split over several programs, paged cache.
 
-    compute-sanitizer --tool memcheck python scripts/sanitizer_case.py   (scripts/gpu_check.py runs all four tools)
+compute-sanitizer --tool memcheck python scripts/sanitizer_case.py   (scripts/gpu_check.py runs all four tools)
 """
 
 import sys
@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=cli.integer(0), default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        p.error(f"no CUDA device visible to torch {torch.__version__}; this case runs the kernel under compute-sanitizer on a GPU")
+        p.error(
+            f"no CUDA device visible to torch {torch.__version__}; this case runs the kernel under compute-sanitizer on a GPU"
+        )
     torch.manual_seed(args.seed)
     batch, num_q_heads, num_kv_heads, head_dim, page_size = 3, 8, 2, 128, 16
     lens = torch.tensor([700, 0, 129], dtype=torch.int32, device="cuda")

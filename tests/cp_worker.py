@@ -29,7 +29,10 @@ def main() -> None:
             dtype = torch.bfloat16 if "cache_dtype" in features else torch.float32
             inputs = make_feature_inputs([0, 1, 17, 40, 150], 8, 2, 32, dtype, seed=len(name), **features)
             call = {k: v for k, v in inputs.items() if k not in ("block_table", "cache_leftpad")}
-            call["k_cache"], call["v_cache"] = shard_cache(inputs["k_cache"], shard), shard_cache(inputs["v_cache"], shard)
+            call["k_cache"], call["v_cache"] = (
+                shard_cache(inputs["k_cache"], shard),
+                shard_cache(inputs["v_cache"], shard),
+            )
             out, lse = context_parallel_attention(shard=shard, group=dist.group.WORLD, return_lse=True, **call)
             assert_matches_feature_ref(out, lse, inputs, 2e-2 if dtype == torch.bfloat16 else 2e-5)
             bits = gather_objects(ctx, (out.float().numpy().tobytes(), lse.numpy().tobytes()))

@@ -14,8 +14,15 @@ from lean_tp.integrations.deepspeed import init_inference
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from example_utils import random_left_padded_batch  # noqa: E402
 
-CONFIG = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-              intermediate_size=256, pad_token_id=0)
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    pad_token_id=0,
+)
 
 
 def main() -> None:
@@ -27,8 +34,11 @@ def main() -> None:
     engine = init_inference(model, tp_size=dist.get_world_size() if dist.is_initialized() else 2, dtype=torch.float32)
     ids, mask = random_left_padded_batch([4, 9], 256, 0)
     engine.module.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    print(f"rank {dist.get_rank()}: attn {engine.module.config._attn_implementation}, lean calls {len(calls)}, "
-          f"q shapes {sorted(set(calls))}", flush=True)
+    print(
+        f"rank {dist.get_rank()}: attn {engine.module.config._attn_implementation}, lean calls {len(calls)}, "
+        f"q shapes {sorted(set(calls))}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -58,8 +58,14 @@ def make_inputs(
         block_table = torch.where(used, perm, torch.full_like(perm, 1 << 30)).to(torch.int32)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     pads = torch.tensor(leftpad, dtype=torch.int32) if leftpad is not None else None
-    return dict(q=to(q), k_cache=to(k), v_cache=to(v), cache_seqlens=to(seqlens), block_table=to(block_table),
-                cache_leftpad=to(pads))
+    return dict(
+        q=to(q),
+        k_cache=to(k),
+        v_cache=to(v),
+        cache_seqlens=to(seqlens),
+        block_table=to(block_table),
+        cache_leftpad=to(pads),
+    )
 
 
 def assert_matches_ref(out: torch.Tensor, lse: torch.Tensor, inputs: dict, atol: float, rtol: float = 0.0) -> None:

@@ -24,8 +24,13 @@ from lean_tp.ops.decode_attention.naive import decode_attention_ref  # noqa: E40
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry")
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--dry", "--out", str(out), "--sweeps", "gqa"],
-                          capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_decode.py"), "--dry", "--out", str(out), "--sweeps", "gqa"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -79,8 +84,11 @@ def test_quick_preset_covers_every_sweep():
     assert len(quick) < len(full)
     assert max(max(s.lens) for s in full) == 1 << 19  # 512k where memory allows
     assert {s.x for s in full if s.sweep == "models"} == {"llama-3-8b", "llama-3-70b", "mistral-7b", "phi-3-medium"}
-    assert {s.features for s in full if s.sweep in ("kv", "window")} == {frozenset(), frozenset({"fp8"}),
-                                                                          frozenset({"window"})}
+    assert {s.features for s in full if s.sweep in ("kv", "window")} == {
+        frozenset(),
+        frozenset({"fp8"}),
+        frozenset({"window"}),
+    }
 
 
 def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
@@ -91,7 +99,9 @@ def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
     monkeypatch.setitem(PEERS, "broken", Peer("broken", broken))
     shape = bench_decode.Shape("context", "32", (32,), 2, 2, 64)
     timer = bench_decode.Timer(torch.device("cpu"), 2)
-    row = bench_decode.bench_shape(shape, torch.float32, torch.device("cpu"), ["lean", "ghost", "broken"], timer, 1e10, 0)
+    row = bench_decode.bench_shape(
+        shape, torch.float32, torch.device("cpu"), ["lean", "ghost", "broken"], timer, 1e10, 0
+    )
     assert "ghost: not installed" in row["notes"] and "broken: error RuntimeError: boom" in row["notes"]
     assert row["lean_us"] > 0 and "speedup_vs_broken" not in row
 
@@ -123,16 +133,35 @@ def _varlen_ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=N
 def test_varlen_peer_arguments_mean_decode_attention(monkeypatch, torch_has_seqused_k):
     import torch.nn.attention.varlen as varlen
 
-    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    def torch_2_11(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+    ):
         """Packed keys, no GQA."""
 
-    def torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    def torch_2_13(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
         """Adds seqused_k, block_table and enable_gqa."""
 
     monkeypatch.setattr(varlen, "varlen_attn", torch_2_13 if torch_has_seqused_k else torch_2_11)
     torch.manual_seed(0)
-    s = bench_decode.make_set(bench_decode.Shape("ragged", "x", (37, 1, 64), 8, 2, 64), torch.float32, torch.device("cpu"))
+    s = bench_decode.make_set(
+        bench_decode.Shape("ragged", "x", (37, 1, 64), 8, 2, 64), torch.float32, torch.device("cpu")
+    )
     args = varlen_args(s)
     assert ("seqused_k" in args) == torch_has_seqused_k and args["key"].shape[1] == (2 if torch_has_seqused_k else 8)
     ref, _ = decode_attention_ref(**s)
@@ -159,8 +188,9 @@ def test_flashinfer_pages_hold_each_sequences_keys_in_table_order():
     copy of a contiguous cache where page p of sequence b, table[b, p], holds keys 16 p .. 16 p + 15."""
     from peers import _flashinfer_pages
 
-    paged = bench_decode.make_set(bench_decode.Shape("layouts", "p", (40, 33), 4, 2, 64, layout="paged16"),
-                                  torch.float32, torch.device("cpu"))  # fmt: skip
+    paged = bench_decode.make_set(
+        bench_decode.Shape("layouts", "p", (40, 33), 4, 2, 64, layout="paged16"), torch.float32, torch.device("cpu")
+    )
     k, v, table, kv_layout = _flashinfer_pages(paged)
     assert (k, v, table, kv_layout) == (paged["k_cache"], paged["v_cache"], paged["block_table"], "NHD")
     shape = bench_decode.Shape("layouts", "c", (40, 33), 4, 2, 64)

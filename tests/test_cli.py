@@ -31,8 +31,8 @@ ENTRY_POINTS = {
     "results": "benchmarks/results.py",
     "gpu_check": "scripts/gpu_check.py",
     "sanitizer": "scripts/sanitizer_case.py",
-    "simulate": "lean_tp/simulate.py",
-    "kernel_report": "lean_tp/ops/kernel_report.py",
+    "simulate": "lean_tp/tools/simulate/cli.py",
+    "kernel_report": "lean_tp/tools/kernel_report/cli.py",
 }
 
 
@@ -47,8 +47,11 @@ NOT_DIR, NOT_FILE = "/nonexistent/dir", "/nonexistent/file.json"
 # (entry point, argv, flag the one line must name). Zero, negative, non-numeric, too large and
 # missing-path variants of every numeric and path flag, and the rules across flags.
 FLAG_CASES = [
-    *[("demo", [f, v], f) for f in ("--batch", "--heads", "--kv-heads", "--head-dim", "--max-len")
-      for v in ("0", "-1", "x", "99999999")],
+    *[
+        ("demo", [f, v], f)
+        for f in ("--batch", "--heads", "--kv-heads", "--head-dim", "--max-len")
+        for v in ("0", "-1", "x", "99999999")
+    ],
     ("demo", ["--seed", "-1"], "--seed"),
     ("demo", ["--device", "tpu"], "--device"),
     ("demo", ["--device", "cuda:7"], "--device"),
@@ -98,8 +101,11 @@ FLAG_CASES = [
     ("gpu_check", ["--groups", "nope"], "--groups"),
     ("gpu_check", ["--out", "/proc/lean_tp_out"], "--out"),
     ("sanitizer", ["--seed", "-1"], "--seed"),
-    *[("simulate", [f, v], f) for f in ("--batch", "--heads", "--kv-heads", "--tp", "--head-dim", "--programs-per-sm")
-      for v in ("0", "-1", "x", "99999999")],
+    *[
+        ("simulate", [f, v], f)
+        for f in ("--batch", "--heads", "--kv-heads", "--tp", "--head-dim", "--programs-per-sm")
+        for v in ("0", "-1", "x", "99999999")
+    ],
     *[("simulate", ["--lens", v], "--lens") for v in ("100,-5", "x", "99999999999", "")],
     *[("simulate", ["--capacity", v], "--capacity") for v in ("-1", "x", "99999999999")],
     ("simulate", ["--capacity", "5", "--lens", "100"], "--capacity"),
@@ -121,7 +127,7 @@ FLAG_CASES = [
     *[("kernel_report", ["--workers", v], "--workers") for v in ("0", "-1", "x", "99999")],
     ("kernel_report", ["--set", "nope=1"], "--set"),
     ("kernel_report", ["--set", "block_n=x"], "--set"),
-]  # fmt: skip
+]
 
 
 def _one_line_error(name: str, argv: list[str], capsys) -> str:
@@ -141,15 +147,28 @@ def test_a_bad_flag_gives_one_line_naming_it(name, argv, flag, capsys, monkeypat
     assert f"error: argument {flag}: expected " in line and ", got " in line, line
 
 
-@pytest.mark.parametrize("name,argv,world,message", [
-    ("decode_tp", [], "3", "argument --model: cannot shard attention: expected n_heads divisible by world_size"),
-    ("decode_tp", ["--model", "phi-3-medium"], "4", "argument --model: cannot shard attention"),
-    ("decode_tp", ["--cp", "1,3"], "4", "argument --cp: expected divisors of the world size 4, got '1,3'"),
-    ("decode_tp", ["--cp", "2", "--attention", "sdpa"], "4", "argument --attention: expected lean with --cp > 1"),
-    ("decode_tp", ["--cp", "4", "--model", "llama-3-8b"], "12", "argument --model: cannot shard attention: "
-     "expected n_heads divisible by world_size, got n_heads=32, n_kv_heads=8, world_size=3"),
-    ("deepspeed", [], "4", "world size 4 (the launcher's --nproc_per_node or --num_gpus): tp_size: expected at most"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,argv,world,message",
+    [
+        ("decode_tp", [], "3", "argument --model: cannot shard attention: expected n_heads divisible by world_size"),
+        ("decode_tp", ["--model", "phi-3-medium"], "4", "argument --model: cannot shard attention"),
+        ("decode_tp", ["--cp", "1,3"], "4", "argument --cp: expected divisors of the world size 4, got '1,3'"),
+        ("decode_tp", ["--cp", "2", "--attention", "sdpa"], "4", "argument --attention: expected lean with --cp > 1"),
+        (
+            "decode_tp",
+            ["--cp", "4", "--model", "llama-3-8b"],
+            "12",
+            "argument --model: cannot shard attention: "
+            "expected n_heads divisible by world_size, got n_heads=32, n_kv_heads=8, world_size=3",
+        ),
+        (
+            "deepspeed",
+            [],
+            "4",
+            "world size 4 (the launcher's --nproc_per_node or --num_gpus): tp_size: expected at most",
+        ),
+    ],
+)
 def test_a_world_size_the_model_cannot_use_gives_one_line(name, argv, world, message, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("RANK", "0")
@@ -185,18 +204,28 @@ def test_help_lists_the_flags(name, capsys):
     assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("path,argv", [
-    ("examples/decode_attention_demo.py", ["--batch", "0"]),
-    ("benchmarks/bench_decode.py", ["--dry", "--sweeps", "nope"]),  # sets TRITON_INTERPRET before its imports
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,argv",
+    [
+        ("examples/decode_attention_demo.py", ["--batch", "0"]),
+        ("benchmarks/bench_decode.py", ["--dry", "--sweeps", "nope"]),  # sets TRITON_INTERPRET before its imports
+    ],
+)
 def test_as_a_script_no_traceback_escapes(path, argv):
-    proc = subprocess.run([sys.executable, str(ROOT / path), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / path), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "expected" in proc.stderr, proc.stderr
 
 
 def test_module_entry_points_fail_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "lean_tp.simulate", "--lens", "100,-5"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "lean_tp.tools.simulate", "--lens", "100,-5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "argument --lens" in proc.stderr, proc.stderr
 
 
@@ -207,16 +236,26 @@ def test_progress_in_a_log_is_plain_lines(capsys):
     for _ in cli.progress(range(3), desc="work", unit="step", stream=log):
         pass
     lines = log.getvalue().splitlines()
-    assert "\r" not in log.getvalue() and lines[0].startswith("work: 0/3 step") and lines[-1].startswith("work: 3/3 step")
+    assert (
+        "\r" not in log.getvalue() and lines[0].startswith("work: 0/3 step") and lines[-1].startswith("work: 3/3 step")
+    )
 
 
-@pytest.mark.parametrize("make,text,ok", [
-    (lambda: cli.integer(1, 8), "8", True), (lambda: cli.integer(1, 8), "9", False),
-    (lambda: cli.integer(1), "1.5", False), (lambda: cli.number(0, strict_lo=True), "0", False),
-    (lambda: cli.number(0, strict_lo=True), "1e-9", True), (lambda: cli.number(), "nan", False),
-    (lambda: cli.integer_list(0), "0,3,5", True), (lambda: cli.integer_list(0), "3,,5", False),
-    (lambda: cli.choice("a", "b"), "b", True), (lambda: cli.choice("a", "b"), "B", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make,text,ok",
+    [
+        (lambda: cli.integer(1, 8), "8", True),
+        (lambda: cli.integer(1, 8), "9", False),
+        (lambda: cli.integer(1), "1.5", False),
+        (lambda: cli.number(0, strict_lo=True), "0", False),
+        (lambda: cli.number(0, strict_lo=True), "1e-9", True),
+        (lambda: cli.number(), "nan", False),
+        (lambda: cli.integer_list(0), "0,3,5", True),
+        (lambda: cli.integer_list(0), "3,,5", False),
+        (lambda: cli.choice("a", "b"), "b", True),
+        (lambda: cli.choice("a", "b"), "B", False),
+    ],
+)
 def test_flag_types(make, text, ok):
     import argparse
 
@@ -248,7 +287,10 @@ def test_a_model_larger_than_memory_gives_one_line_before_building(capsys, monke
     # tiny fits anywhere: the estimate is the model's real size, within its small extras (norms, RoPE tables)
     tiny = decode_tp.CONFIGS["tiny"]
     params = sum(p.numel() for p in decode_tp.build_model(tiny).parameters())
-    assert abs(decode_tp.rank_bytes(tiny, 1, 1, 1, 1, 1, 1) - 2 * tiny.n_layers * tiny.n_kv_heads * tiny.head_dim - params) < 0.01 * params
+    assert (
+        abs(decode_tp.rank_bytes(tiny, 1, 1, 1, 1, 1, 1) - 2 * tiny.n_layers * tiny.n_kv_heads * tiny.head_dim - params)
+        < 0.01 * params
+    )
 
 
 def test_vllm_generate_without_vllm_gives_one_line(capsys):

@@ -79,7 +79,9 @@ def simulate_cp(inputs: dict, size: int, block: int, backend: str = "torch"):
     parts = []
     for rank in range(size):
         shard = ContextShard(size, rank, block)
-        call = dict(inputs, k_cache=shard_cache(inputs["k_cache"], shard), v_cache=shard_cache(inputs["v_cache"], shard))
+        call = dict(
+            inputs, k_cache=shard_cache(inputs["k_cache"], shard), v_cache=shard_cache(inputs["v_cache"], shard)
+        )
         call.pop("block_table"), call.pop("cache_leftpad")
         parts.append(local_partial(shard=shard, backend=backend, **call))
     return merge_attention(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
@@ -127,7 +129,9 @@ def test_one_rank_without_a_group_is_the_plain_op():
 def test_bad_arguments_fail_on_every_rank():
     """Checked in full on each rank, including the arguments only rank 0 passes on (sinks)."""
     inputs = make_feature_inputs([3, 5], 4, 2, 16, torch.float32, seed=1)
-    call = dict(q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"])
+    call = dict(
+        q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"]
+    )
     with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\) \(Hq\), got \(3,\)"):
         context_parallel_attention(**call, shard=ContextShard(2, 1), group=None, sinks=torch.zeros(3))
     with pytest.raises(TypeError, match="shard: expected a ContextShard, got int"):
@@ -147,8 +151,12 @@ def test_debug_checks_hold_global_lengths_against_the_shard(monkeypatch):
     monkeypatch.setattr(cp, "exchange_and_merge", lambda out, lse, group: (out, lse))  # this rank's partial
     inputs = make_feature_inputs([0, 5, 150], 4, 2, 16, torch.float32, seed=2)
     shard = ContextShard(2, 0)
-    call = dict(q=inputs["q"], k_cache=shard_cache(inputs["k_cache"], shard), v_cache=shard_cache(inputs["v_cache"], shard),
-                cache_seqlens=inputs["cache_seqlens"])  # fmt: skip
+    call = dict(
+        q=inputs["q"],
+        k_cache=shard_cache(inputs["k_cache"], shard),
+        v_cache=shard_cache(inputs["v_cache"], shard),
+        cache_seqlens=inputs["cache_seqlens"],
+    )
     assert call["k_cache"].shape[2] < 150
     got = context_parallel_attention(**call, shard=shard, group=object(), return_lse=True)
     torch.testing.assert_close(got, local_partial(**call, shard=shard))
@@ -159,6 +167,10 @@ def test_debug_checks_hold_global_lengths_against_the_shard(monkeypatch):
 
 def test_a_shard_that_is_not_this_rank_in_the_group_is_refused():
     inputs = make_feature_inputs([3, 5], 4, 2, 16, torch.float32, seed=1)
-    call = dict(q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"])
-    with pytest.raises(ValueError, match=r"shard: expected ContextShard\(size=1, rank=0\) \(this rank in group\), got size=2, rank=1"):
+    call = dict(
+        q=inputs["q"], k_cache=inputs["k_cache"], v_cache=inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"]
+    )
+    with pytest.raises(
+        ValueError, match=r"shard: expected ContextShard\(size=1, rank=0\) \(this rank in group\), got size=2, rank=1"
+    ):
         context_parallel_attention(**call, shard=ContextShard(2, 1), group=None)

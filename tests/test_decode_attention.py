@@ -11,20 +11,15 @@ import torch
 from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
-from lean_tp.ops.decode_attention import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import (
-    alloc_workspace,
-    counters_size,
-    decode_attention_fwd,
-    grid_size,
-    kernel_constexprs,
-)
+from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.tuning import DecodeConfig, get_config
 from lean_tp.ops.utils import interpreted
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel),
+    reason="interpreter tests; CUDA runs tests/gpu",
 )
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -47,18 +42,19 @@ def length_sets(tile: int) -> dict[str, list[int]]:
 def run_kernel(inputs: dict, num_programs: int | None = None, config: DecodeConfig | None = None, counters=None):
     """Launch with NaN-filled out, lse and workspace; returns (out, lse)."""
     q = inputs["q"]
-    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
-    group = q.shape[1] // layout.num_kv_heads
-    config = config or get_config(q.device, q.shape[-1], q.dtype)
-    cx = kernel_constexprs(config, q.shape[-1], group, q.dtype, layout.page_size)
-    num_programs = num_programs or grid_size(q.device, q.dtype, q.shape[-1], group)
-    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], q.device))
+    plan = plan_decode(**inputs, config=config, num_programs=num_programs)
+    workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, q.device))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))
     return decode_attention_fwd(
-        **inputs, softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, config=config,
-        counters=counters, out=out, lse=lse, workspace=workspace,
-    )  # fmt: skip
+        **inputs,
+        softmax_scale=q.shape[-1] ** -0.5,
+        plan=plan,
+        counters=counters,
+        out=out,
+        lse=lse,
+        workspace=workspace,
+    )
 
 
 LENGTH_SETS = ("edges", "empty", "ragged", "single")
@@ -66,15 +62,24 @@ DTYPE_DIMS = [(torch.float32, 64), (torch.float16, 128), (torch.float32, 128), (
 # Every (heads, layout, lengths) triple, each with one (dtype, head_dim) pair chosen by a Latin
 # square: any three of the five factors appear together in every combination of their values
 # (a strength-3 covering array), in 64 runs instead of the 256 of the full product.
-MATRIX = [(*DTYPE_DIMS[(i + j + k) % 4], *heads, layout, lens)
-          for i, heads in enumerate(HEADS) for j, layout in enumerate(LAYOUTS) for k, lens in enumerate(LENGTH_SETS)]
+MATRIX = [
+    (*DTYPE_DIMS[(i + j + k) % 4], *heads, layout, lens)
+    for i, heads in enumerate(HEADS)
+    for j, layout in enumerate(LAYOUTS)
+    for k, lens in enumerate(LENGTH_SETS)
+]
 
 
-@pytest.mark.parametrize("dtype,head_dim,hq,hkv,layout,lens_name", MATRIX,
-                         ids=[f"{str(m[0])[6:]}-{m[1]}-{m[2]}-{m[3]}-{m[4]}-{m[5]}" for m in MATRIX])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,head_dim,hq,hkv,layout,lens_name",
+    MATRIX,
+    ids=[f"{str(m[0])[6:]}-{m[1]}-{m[2]}-{m[3]}-{m[4]}-{m[5]}" for m in MATRIX],
+)
 def test_decode_attention_triton(dtype, head_dim, hq, hkv, layout, lens_name):
     lens = length_sets(tile_of(head_dim, dtype))[lens_name]
-    inputs = make_inputs(lens, hq, hkv, head_dim, dtype, layout, seed=zlib.crc32(f"{head_dim}{hq}{layout}{lens_name}".encode()))
+    inputs = make_inputs(
+        lens, hq, hkv, head_dim, dtype, layout, seed=zlib.crc32(f"{head_dim}{hq}{layout}{lens_name}".encode())
+    )
     out, lse = run_kernel(inputs)
     assert_matches_ref(out, lse, inputs, atol=ATOL[dtype])
 
@@ -83,7 +88,15 @@ def test_decode_attention_triton(dtype, head_dim, hq, hkv, layout, lens_name):
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_decode_attention_triton_grids(num_programs, layout):
     """Tiny grids make programs straddle heads and sequences; a huge one makes the grid shrink."""
-    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: small tiles give many tiles on short sequences")
+    config = DecodeConfig(
+        tile_n=32,
+        block_n=16,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="test: small tiles give many tiles on short sequences",
+    )
     inputs = make_inputs([97, 0, 32, 1, 65, 200], 8, 2, 64, torch.float32, layout, seed=num_programs)
     out, lse = run_kernel(inputs, num_programs=num_programs, config=config)
     assert_matches_ref(out, lse, inputs, atol=2e-5)
@@ -91,7 +104,15 @@ def test_decode_attention_triton_grids(num_programs, layout):
 
 def test_decode_attention_triton_split_everywhere():
     """Every output split over several programs, with uneven (+-1 tile) program loads."""
-    config = DecodeConfig(16, 16, 16, 4, 1, 1, "test: one 16-token tile per block")
+    config = DecodeConfig(
+        tile_n=16,
+        block_n=16,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="test: one 16-token tile per block",
+    )
     inputs = make_inputs([257, 190], 4, 2, 64, torch.float16, "transposed", seed=3)
     total_tiles = 2 * (17 + 12)
     out, lse = run_kernel(inputs, num_programs=total_tiles // 2 - 3, config=config)
@@ -115,7 +136,15 @@ def test_decode_attention_triton_short_pages(layout):
 def test_decode_attention_triton_left_padding(layout, num_programs):
     """Left-padded batches: keys start at cache_leftpad[b] (not tile- or page-aligned); the random
     keys in the padding must not be attended to."""
-    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: small tiles, so padding offsets cut tiles")
+    config = DecodeConfig(
+        tile_n=32,
+        block_n=16,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="test: small tiles, so padding offsets cut tiles",
+    )
     inputs = make_inputs([40, 0, 1, 97], 8, 2, 64, torch.float32, layout, seed=13, leftpad=[0, 5, 33, 17])
     out, lse = run_kernel(inputs, num_programs=num_programs, config=config)
     assert_matches_ref(out, lse, inputs, atol=2e-5)
@@ -123,7 +152,15 @@ def test_decode_attention_triton_left_padding(layout, num_programs):
 
 def test_decode_attention_triton_large_group_chunks():
     """A group larger than the row block is computed as several head units (NUM_GC > 1)."""
-    config = DecodeConfig(64, 32, 16, 4, 1, 1, "test: 16-row blocks force 2 chunks of a group of 24")
+    config = DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="test: 16-row blocks force 2 chunks of a group of 24",
+    )
     inputs = make_inputs([150, 40, 0], 48, 2, 64, torch.float32, "paged16", seed=11)
     out, lse = run_kernel(inputs, num_programs=3, config=config)
     assert_matches_ref(out, lse, inputs, atol=2e-5)
@@ -147,7 +184,15 @@ def test_launcher_rejects_a_grid_that_does_not_fit_its_sms_or_counters():
 
 def test_decode_attention_triton_counters_reset_and_deterministic():
     """The kernel leaves its counters at zero, so a reused buffer gives identical results."""
-    config = DecodeConfig(32, 16, 16, 4, 1, 1, "test: many split outputs")
+    config = DecodeConfig(
+        tile_n=32,
+        block_n=16,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="test: many split outputs",
+    )
     inputs = make_inputs([300, 77, 129], 8, 2, 64, torch.float32, "contiguous", seed=5)
     counters = torch.zeros(counters_size(5), dtype=torch.int32)
     first = run_kernel(inputs, num_programs=5, config=config, counters=counters)

@@ -20,8 +20,10 @@ from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule
 from lean_tp.ops.utils import interpreted
 
-pytestmark = pytest.mark.skipif(not interpreted(decode_attention_fwd_kernel),
-                                reason="runs the kernel in the Triton interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    not interpreted(decode_attention_fwd_kernel),
+    reason="runs the kernel in the Triton interpreter (TRITON_INTERPRET=1)",
+)
 
 INT_MAX, INT_MIN = 2**31 - 1, -(2**31)
 GUARD = 4096  # NaN elements before and after out and lse
@@ -63,8 +65,12 @@ def run_kernel_guarded(inputs: dict, num_programs: int = 4, seconds: float = 120
     for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
         if isinstance(call.get(name), float):
             call[name] = torch.tensor([call[name]])
-    run_with_time_limit(lambda: decode_attention_fwd(**call, softmax_scale=q.shape[-1] ** -0.5, out=out, lse=lse,
-                                                     num_programs=num_programs), seconds)  # fmt: skip
+    run_with_time_limit(
+        lambda: decode_attention_fwd(
+            **call, softmax_scale=q.shape[-1] ** -0.5, out=out, lse=lse, num_programs=num_programs
+        ),
+        seconds,
+    )
     for buf in (out_buf, lse_buf):
         assert buf[:GUARD].isnan().all() and buf[-GUARD:].isnan().all(), "the kernel wrote outside out/lse"
     return out, lse
@@ -119,8 +125,9 @@ def test_torch_backend_clamps_lengths_into_the_cache(case):
 
 def test_kernel_clamps_lengths_with_features():
     """Several query tokens, a window, sinks and softcap over malformed lengths."""
-    inputs = make_feature_inputs([40, 40, 40, 40], 4, 2, 32, torch.float32, "paged16", tq=3, window=9, sinks=True,
-                                 softcap=10.0, seed=5)  # fmt: skip
+    inputs = make_feature_inputs(
+        [40, 40, 40, 40], 4, 2, 32, torch.float32, "paged16", tq=3, window=9, sinks=True, softcap=10.0, seed=5
+    )
     inputs["cache_seqlens"] = _i32([-3, 2, INT_MAX, 45])  # capacity 48: three 16-key pages, all mapped
     out, lse = run_kernel_guarded(inputs)
     assert_matches_feature_ref(out, lse, clamped(inputs), ATOL[torch.float32])
@@ -153,8 +160,9 @@ def poisoned_inputs(layout: str, cache_dtype=None) -> dict:
     """Valid lengths with left padding, and NaN in every slot no query may see: past each length,
     before each left padding, and in pages no sequence maps (the block table's unused entries
     point at one of them)."""
-    inputs = make_feature_inputs([5, 40, 0, 17], 8, 2, 64, torch.float16, layout, leftpad=[3, 0, 2, 9],
-                                 cache_dtype=cache_dtype, seed=11)  # fmt: skip
+    inputs = make_feature_inputs(
+        [5, 40, 0, 17], 8, 2, 64, torch.float16, layout, leftpad=[3, 0, 2, 9], cache_dtype=cache_dtype, seed=11
+    )
     k, v = inputs["k_cache"], inputs["v_cache"]
     start, end = inputs["cache_leftpad"].long(), inputs["cache_seqlens"].long()
     if inputs["block_table"] is None:
@@ -176,8 +184,11 @@ def poisoned_inputs(layout: str, cache_dtype=None) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("layout, cache_dtype", [("contiguous", None), ("paged16", None), ("paged16", torch.float8_e4m3fn)],
-                         ids=["contiguous", "paged16", "paged16-fp8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, cache_dtype",
+    [("contiguous", None), ("paged16", None), ("paged16", torch.float8_e4m3fn)],
+    ids=["contiguous", "paged16", "paged16-fp8"],
+)
 def test_nan_in_unseen_slots_never_reaches_the_output(backend, layout, cache_dtype):
     inputs = poisoned_inputs(layout, cache_dtype)
     assert inputs["k_cache"].float().isnan().any() and inputs["v_cache"].float().isnan().any()

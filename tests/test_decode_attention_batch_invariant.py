@@ -18,20 +18,26 @@ from test_decode_attention_features import assert_matches_feature_ref, make_feat
 
 import lean_tp
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import (
-    alloc_workspace,
-    counters_size,
-    decode_attention_fwd,
-    invariant_group_slots,
-)
+from lean_tp.ops.decode_attention.launch_args import alloc_workspace, counters_size
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, DecodeConfig
 from lean_tp.ops.utils import interpreted
 
-pytestmark = pytest.mark.skipif(not interpreted(decode_attention_fwd_kernel),
-                                reason="runs the kernel in the Triton interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    not interpreted(decode_attention_fwd_kernel),
+    reason="runs the kernel in the Triton interpreter (TRITON_INTERPRET=1)",
+)
 
 CHUNK = 16
-CONFIG = DecodeConfig(CHUNK, 16, 64, 4, 1, 1, "tests: 16-key chunks, groups of 256 keys")
+CONFIG = DecodeConfig(
+    tile_n=CHUNK,
+    block_n=16,
+    max_block_g=64,
+    num_warps=4,
+    num_stages=1,
+    max_programs_per_sm=1,
+    reason="tests: 16-key chunks, groups of 256 keys",
+)
 GROUP_KEYS = CHUNK * INVARIANT_GROUP_CHUNKS
 # 0, 1, chunk - 1, chunk, chunk + 1, a group's keys +- 1, and lengths of several groups.
 POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 530, 700]
@@ -43,8 +49,13 @@ def select(inputs: dict, idx: list[int]) -> dict:
     paged = inputs["block_table"] is not None
     rows = torch.tensor(idx, dtype=torch.long)
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
-    call = dict(inputs, q=inputs["q"][rows], cache_seqlens=pick(inputs["cache_seqlens"]),
-                cache_leftpad=pick(inputs["cache_leftpad"]), block_table=pick(inputs["block_table"]))  # fmt: skip
+    call = dict(
+        inputs,
+        q=inputs["q"][rows],
+        cache_seqlens=pick(inputs["cache_seqlens"]),
+        cache_leftpad=pick(inputs["cache_leftpad"]),
+        block_table=pick(inputs["block_table"]),
+    )
     if not paged:
         call["k_cache"], call["v_cache"] = inputs["k_cache"][rows], inputs["v_cache"][rows]
     for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
@@ -60,8 +71,16 @@ def run(inputs: dict, idx: list[int], num_programs: int, batch_invariant: bool =
     q = call["q"]
     out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"))
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
-    decode_attention_fwd(**call, softmax_scale=q.shape[-1] ** -0.5, batch_invariant=batch_invariant,
-                         num_programs=num_programs, config=config, counters=counters, out=out, lse=lse)  # fmt: skip
+    decode_attention_fwd(
+        **call,
+        softmax_scale=q.shape[-1] ** -0.5,
+        batch_invariant=batch_invariant,
+        num_programs=num_programs,
+        config=config,
+        counters=counters,
+        out=out,
+        lse=lse,
+    )
     assert not counters.any(), "a merge left its counter set"
     return out, lse
 
@@ -72,7 +91,9 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 def assert_same_bits(got, want, what):
     for g, w, name in zip(got, want, ("out", "lse")):
-        assert torch.equal(bits(g), bits(w)), f"{what}: {name} differs, max |diff| {(g.float() - w.float()).abs().max()}"
+        assert torch.equal(bits(g), bits(w)), (
+            f"{what}: {name} differs, max |diff| {(g.float() - w.float()).abs().max()}"
+        )
 
 
 def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 13) -> None:
@@ -89,8 +110,11 @@ def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 
         programs = rnd.randint(1, max_programs)
         out, lse = run(inputs, idx, programs)
         for j, i in enumerate(idx):
-            assert_same_bits((out[j], lse[j]), (alone[i][0][0], alone[i][1][0]),
-                             f"request {i} at {j} of batch {idx} on {programs} programs")  # fmt: skip
+            assert_same_bits(
+                (out[j], lse[j]),
+                (alone[i][0][0], alone[i][1][0]),
+                f"request {i} at {j} of batch {idx} on {programs} programs",
+            )
 
 
 CASES = {
@@ -168,8 +192,9 @@ def test_the_default_mode_does_depend_on_the_batch():
 
 
 def test_torch_backend_is_batch_invariant():
-    inputs = make_feature_inputs([5000, 3, 17, 600], 4, 2, 40, torch.float32, "paged16", tq=2, window=4500,
-                                 softcap=20.0, sinks=True, seed=26)  # fmt: skip
+    inputs = make_feature_inputs(
+        [5000, 3, 17, 600], 4, 2, 40, torch.float32, "paged16", tq=2, window=4500, softcap=20.0, sinks=True, seed=26
+    )
     for idx in ([0], [3, 0, 1], [1, 2, 0, 3]):
         call = select(inputs, idx)
         got = lean_tp.decode_attention(**call, return_lse=True, backend="torch", batch_invariant=True)
@@ -194,12 +219,19 @@ def test_workspace_is_sized_from_shapes():
     """Group values take one slot per group of each output's capacity; a grid-sized one is refused."""
     inputs = make_feature_inputs([0, 40, 300], 4, 1, 64, torch.float16, seed=28)
     call = select(inputs, [0, 1, 2])
-    slots = invariant_group_slots(3, 1, call["k_cache"].shape[2], 2**30, CONFIG.tile_n)
+    slots = plan_decode(**call, batch_invariant=True, num_programs=4, config=CONFIG).group_slots
     assert slots == 3 * -(-call["k_cache"].shape[2] // GROUP_KEYS)
     with pytest.raises(ValueError, match="workspace: expected contiguous tensors"):
-        decode_attention_fwd(**call, softmax_scale=0.125, batch_invariant=True, num_programs=4, config=CONFIG,
-                             workspace=alloc_workspace(4, 16, 64, "cpu"))  # fmt: skip
+        decode_attention_fwd(
+            **call,
+            softmax_scale=0.125,
+            batch_invariant=True,
+            num_programs=4,
+            config=CONFIG,
+            workspace=alloc_workspace(4, 16, 64, "cpu"),
+        )
     workspace = alloc_workspace(4, 16, 64, "cpu", slots)
-    out, _ = decode_attention_fwd(**call, softmax_scale=0.125, batch_invariant=True, num_programs=4, config=CONFIG,
-                                  workspace=workspace)  # fmt: skip
+    out, _ = decode_attention_fwd(
+        **call, softmax_scale=0.125, batch_invariant=True, num_programs=4, config=CONFIG, workspace=workspace
+    )
     assert not out.isnan().any()

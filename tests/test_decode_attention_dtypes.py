@@ -39,8 +39,9 @@ def _refusal(q_dtype: torch.dtype, cache, backend: str, device: str) -> tuple[ty
 @pytest.mark.parametrize("cache", CACHE_KINDS, ids=lambda c: c if isinstance(c, str) else str(c).removeprefix("torch."))
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_every_dtype_backend_device_is_exact_or_refused(q_dtype, cache, backend, device):
-    inputs = make_feature_inputs(LENS, 8, 2, 64, q_dtype, "paged16", cache_dtype=None if cache == "same" else cache,
-                                 seed=len(str(cache)))  # fmt: skip
+    inputs = make_feature_inputs(
+        LENS, 8, 2, 64, q_dtype, "paged16", cache_dtype=None if cache == "same" else cache, seed=len(str(cache))
+    )
     if cache != "same" and q_dtype == torch.float32:  # make_feature_inputs builds fp8 caches for 16-bit q only
         inputs["k_cache"] = inputs["k_cache"].to(cache)
         inputs["v_cache"] = inputs["v_cache"].to(cache)

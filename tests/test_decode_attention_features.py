@@ -17,8 +17,22 @@ from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def make_feature_inputs(lens, hq, hkv, d, dtype, layout="contiguous", tq=1, cache_dtype=None, leftpad=None,
-                        softcap=None, window=None, sinks=False, per_head_scale=False, seed=0):  # fmt: skip
+def make_feature_inputs(
+    lens,
+    hq,
+    hkv,
+    d,
+    dtype,
+    layout="contiguous",
+    tq=1,
+    cache_dtype=None,
+    leftpad=None,
+    softcap=None,
+    window=None,
+    sinks=False,
+    per_head_scale=False,
+    seed=0,
+):
     """make_inputs plus a (B, Tq, Hq, D) q, an fp8 cache with scales, and the feature arguments.
 
     Left padding is added on top of ``lens`` (as in make_inputs); the lengths count the new tokens.
@@ -44,7 +58,9 @@ def assert_matches_feature_ref(out, lse, inputs, atol, lse_atol=1e-4, lse_rtol=1
     exactly out 0 and lse -inf."""
     q = inputs["q"]
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
-    ref_out, ref_lse = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    ref_out, ref_lse = decode_attention_ref(
+        **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    )
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten (NaN) output elements"
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
@@ -74,8 +90,9 @@ def test_multi_token_queries(tq, layout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("per_head_scale", [False, True], ids=["tensor_scale", "head_scale"])
 def test_fp8_cache(cache_dtype, dtype, per_head_scale):
-    inputs = make_feature_inputs([5, 0, 300], 8, 2, 128, dtype, "paged16", cache_dtype=cache_dtype,
-                                 per_head_scale=per_head_scale, seed=3)  # fmt: skip
+    inputs = make_feature_inputs(
+        [5, 0, 300], 8, 2, 128, dtype, "paged16", cache_dtype=cache_dtype, per_head_scale=per_head_scale, seed=3
+    )
     check_against_ref(inputs, ATOL[dtype])
 
 
@@ -104,9 +121,22 @@ def test_sinks_and_empty_sequences():
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_every_feature_together(dtype, layout):
-    inputs = make_feature_inputs([0, 2, 64, 1000], 16, 2, 128, dtype, layout, tq=4, cache_dtype=torch.float8_e4m3fn,
-                                 leftpad=[1, 0, 5, 3], softcap=20.0, window=50, sinks=True, per_head_scale=True,
-                                 seed=8)  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 2, 64, 1000],
+        16,
+        2,
+        128,
+        dtype,
+        layout,
+        tq=4,
+        cache_dtype=torch.float8_e4m3fn,
+        leftpad=[1, 0, 5, 3],
+        softcap=20.0,
+        window=50,
+        sinks=True,
+        per_head_scale=True,
+        seed=8,
+    )
     check_against_ref(inputs, ATOL[dtype])
 
 
@@ -146,22 +176,44 @@ def _bad(**changes):
 
 
 BAD_CALLS = {
-    "fp8 without k_scale": (dict(k_scale=None), ValueError, r"k_scale: expected a float or a \(2,\) float32 tensor with an fp8 cache, got None"),
-    "scale of the wrong shape": (dict(v_scale=torch.ones(3)), ValueError, r"v_scale: expected shape \(2,\) \(Hkv\) or \(1,\), got \(3,\)"),
-    "scale of the wrong dtype": (dict(k_scale=torch.ones(2, dtype=torch.float64)), TypeError, "k_scale: expected dtype torch.float32"),
+    "fp8 without k_scale": (
+        dict(k_scale=None),
+        ValueError,
+        r"k_scale: expected a float or a \(2,\) float32 tensor with an fp8 cache, got None",
+    ),
+    "scale of the wrong shape": (
+        dict(v_scale=torch.ones(3)),
+        ValueError,
+        r"v_scale: expected shape \(2,\) \(Hkv\) or \(1,\), got \(3,\)",
+    ),
+    "scale of the wrong dtype": (
+        dict(k_scale=torch.ones(2, dtype=torch.float64)),
+        TypeError,
+        "k_scale: expected dtype torch.float32",
+    ),
     "negative scale": (dict(k_scale=-1.0), ValueError, "k_scale: expected a finite float > 0"),
-    "scale without fp8": (dict(k_cache=torch.randn(2, 2, 16, 64).half(), v_cache=torch.randn(2, 2, 16, 64).half()),
-                          ValueError, "k_scale: expected None for a torch.float16 cache"),
-    "fp8 with fp32 q": (dict(q=torch.randn(2, 8, 64)), TypeError, "q: expected float16 or bfloat16 with an fp8 k_cache"),
+    "scale without fp8": (
+        dict(k_cache=torch.randn(2, 2, 16, 64).half(), v_cache=torch.randn(2, 2, 16, 64).half()),
+        ValueError,
+        "k_scale: expected None for a torch.float16 cache",
+    ),
+    "fp8 with fp32 q": (
+        dict(q=torch.randn(2, 8, 64)),
+        TypeError,
+        "q: expected float16 or bfloat16 with an fp8 k_cache",
+    ),
     "window 0": (dict(window=0), ValueError, "window: expected an int >= 1 or None, got 0"),
-    "window float": (dict(window=2.5), ValueError, "window: expected an int >= 1 or None, got 2.5"),
+    "window float": (dict(window=2.5), TypeError, "window: expected an int or None, got float 2.5"),
     "softcap 0": (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0 or None, got 0.0"),
     "sinks shape": (dict(sinks=torch.zeros(2)), ValueError, r"sinks: expected shape \(8,\) \(Hq\), got \(2,\)"),
     "sinks dtype": (dict(sinks=torch.zeros(8, dtype=torch.float16)), TypeError, "sinks: expected dtype torch.float32"),
-    "too many tokens": (dict(q=torch.randn(2, MAX_QUERY_TOKENS + 1, 8, 64).half()), ValueError,
-                        rf"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} query tokens"),
+    "too many tokens": (
+        dict(q=torch.randn(2, MAX_QUERY_TOKENS + 1, 8, 64).half()),
+        ValueError,
+        rf"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} query tokens",
+    ),
     "q with 5 dims": (dict(q=torch.randn(2, 1, 1, 8, 64).half()), ValueError, "q: expected 3 dims .* or 4 dims"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
@@ -172,15 +224,41 @@ def test_bad_feature_arguments_name_the_argument(case):
 
 
 def _op_args(inputs):
-    return (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
-            inputs["cache_leftpad"], inputs["q"].shape[-1] ** -0.5, "torch", inputs.get("k_scale"), inputs.get("v_scale"),
-            inputs["softcap"], inputs["window"], inputs["sinks"])  # fmt: skip
+    return (
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        inputs["cache_seqlens"],
+        inputs["block_table"],
+        inputs["cache_leftpad"],
+        inputs["q"].shape[-1] ** -0.5,
+        "torch",
+        inputs.get("k_scale"),
+        inputs.get("v_scale"),
+        inputs["softcap"],
+        inputs["window"],
+        inputs["sinks"],
+    )
 
 
 def _all_features(layout="paged16", cache_dtype=torch.float8_e5m2):
-    inputs = make_feature_inputs([0, 9, 70], 8, 2, 64, torch.bfloat16, layout, tq=3, cache_dtype=cache_dtype,
-                                 leftpad=[2, 0, 4], softcap=10.0, window=20, sinks=True, per_head_scale=True, seed=10)
-    return inputs  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 9, 70],
+        8,
+        2,
+        64,
+        torch.bfloat16,
+        layout,
+        tq=3,
+        cache_dtype=cache_dtype,
+        leftpad=[2, 0, 4],
+        softcap=10.0,
+        window=20,
+        sinks=True,
+        per_head_scale=True,
+        seed=10,
+    )
+    return inputs
 
 
 def test_opcheck_with_every_feature():

@@ -24,22 +24,66 @@ CASES = {
     "q-int-dtype": (lambda: _edit(q=lambda i: i["q"].to(torch.int32)), TypeError, "q"),
     "k-ndim": (lambda: _edit(k_cache=lambda i: i["k_cache"][0]), ValueError, "k_cache"),
     "kv-shape-mismatch": (lambda: _edit(v_cache=lambda i: i["v_cache"][:, :, :-1]), ValueError, "v_cache"),
-    "kv-head-dim": (lambda: _edit(k_cache=lambda i: i["k_cache"][..., :32], v_cache=lambda i: i["v_cache"][..., :32]), ValueError, "k_cache"),
+    "kv-head-dim": (
+        lambda: _edit(k_cache=lambda i: i["k_cache"][..., :32], v_cache=lambda i: i["v_cache"][..., :32]),
+        ValueError,
+        "k_cache",
+    ),
     "hq-not-multiple": (lambda: _edit(q=lambda i: i["q"][:, :7]), ValueError, "Hq"),
     "dtype-mismatch": (lambda: _edit(k_cache=lambda i: i["k_cache"].float()), TypeError, "k_cache"),
-    "cache-batch": (lambda: _edit(k_cache=lambda i: i["k_cache"][:1], v_cache=lambda i: i["v_cache"][:1]), ValueError, "k_cache"),
-    "cache-last-stride": (lambda: _edit(k_cache=lambda i: i["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "stride"),
+    "cache-batch": (
+        lambda: _edit(k_cache=lambda i: i["k_cache"][:1], v_cache=lambda i: i["v_cache"][:1]),
+        ValueError,
+        "k_cache",
+    ),
+    "cache-last-stride": (
+        lambda: _edit(k_cache=lambda i: i["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)),
+        ValueError,
+        "stride",
+    ),
     "seqlens-int64": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"].long()), TypeError, "cache_seqlens"),
     "seqlens-shape": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"][:1]), ValueError, "cache_seqlens"),
-    "seqlens-device": (lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"].to("meta")), ValueError, "cache_seqlens"),
-    "block-table-int64": (lambda: _edit("paged16", block_table=lambda i: i["block_table"].long()), TypeError, "block_table"),
-    "block-table-rows": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][:1]), ValueError, "block_table"),
-    "block-table-ndim": (lambda: _edit("paged16", block_table=lambda i: i["block_table"][0]), ValueError, "block_table"),
-    "page-size-not-pow2": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :12], v_cache=lambda i: i["v_cache"][:, :12]), ValueError, "page size"),
-    "leftpad-int64": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad"),
-    "leftpad-shape": (lambda: _edit(cache_leftpad=lambda i: torch.zeros(3, dtype=torch.int32)), ValueError, "cache_leftpad"),
+    "seqlens-device": (
+        lambda: _edit(cache_seqlens=lambda i: i["cache_seqlens"].to("meta")),
+        ValueError,
+        "cache_seqlens",
+    ),
+    "block-table-int64": (
+        lambda: _edit("paged16", block_table=lambda i: i["block_table"].long()),
+        TypeError,
+        "block_table",
+    ),
+    "block-table-rows": (
+        lambda: _edit("paged16", block_table=lambda i: i["block_table"][:1]),
+        ValueError,
+        "block_table",
+    ),
+    "block-table-ndim": (
+        lambda: _edit("paged16", block_table=lambda i: i["block_table"][0]),
+        ValueError,
+        "block_table",
+    ),
+    "page-size-not-pow2": (
+        lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :12], v_cache=lambda i: i["v_cache"][:, :12]),
+        ValueError,
+        "page size",
+    ),
+    "leftpad-int64": (
+        lambda: _edit(cache_leftpad=lambda i: torch.zeros(2, dtype=torch.int64)),
+        TypeError,
+        "cache_leftpad",
+    ),
+    "leftpad-shape": (
+        lambda: _edit(cache_leftpad=lambda i: torch.zeros(3, dtype=torch.int32)),
+        ValueError,
+        "cache_leftpad",
+    ),
     "leftpad-not-tensor": (lambda: _edit(cache_leftpad=lambda i: [0, 0]), TypeError, "cache_leftpad"),
-    "page-size-6": (lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :6], v_cache=lambda i: i["v_cache"][:, :6]), ValueError, "page size"),
+    "page-size-6": (
+        lambda: _edit("paged16", k_cache=lambda i: i["k_cache"][:, :6], v_cache=lambda i: i["v_cache"][:, :6]),
+        ValueError,
+        "page size",
+    ),
 }
 
 
@@ -103,21 +147,33 @@ def test_debug_checks_block_table(monkeypatch):
     lean_tp.decode_attention(**inputs)  # without the debug flag nothing reads the values
 
 
-@pytest.mark.parametrize("kwargs, exc, message", [
-    (dict(softcap=float("inf")), ValueError, "softcap: expected a finite float > 0 or None, got inf"),
-    (dict(softcap=float("nan")), ValueError, "softcap: expected a finite float > 0 or None, got nan"),
-    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite float or None, got nan"),
-    (dict(softmax_scale=float("-inf")), ValueError, "softmax_scale: expected a finite float or None, got -inf"),
-    (dict(return_lse="yes"), TypeError, "return_lse: expected a bool, got str 'yes'"),
-], ids=["softcap-inf", "softcap-nan", "scale-nan", "scale-inf", "return_lse-str"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (dict(softcap=float("inf")), ValueError, "softcap: expected a finite float > 0 or None, got inf"),
+        (dict(softcap=float("nan")), ValueError, "softcap: expected a finite float > 0 or None, got nan"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite float or None, got nan"),
+        (dict(softmax_scale=float("-inf")), ValueError, "softmax_scale: expected a finite float or None, got -inf"),
+        (dict(return_lse="yes"), TypeError, "return_lse: expected a bool, got str 'yes'"),
+    ],
+    ids=["softcap-inf", "softcap-nan", "scale-nan", "scale-inf", "return_lse-str"],
+)
 def test_non_finite_scalars_and_flags(kwargs, exc, message):
     with pytest.raises(exc, match=message):
         lean_tp.decode_attention(**_base(), **kwargs)
     if "softmax_scale" in kwargs:  # the registered op checks too
         inputs = _base()
         with pytest.raises(exc, match=message):
-            torch.ops.lean_tp.decode_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"],
-                                               None, None, kwargs["softmax_scale"], "auto")  # fmt: skip
+            torch.ops.lean_tp.decode_attention(
+                inputs["q"],
+                inputs["k_cache"],
+                inputs["v_cache"],
+                inputs["cache_seqlens"],
+                None,
+                None,
+                kwargs["softmax_scale"],
+                "auto",
+            )
 
 
 def test_a_paged_pool_without_block_table_names_the_layout():
@@ -131,7 +187,9 @@ def test_a_flash_attn_layout_cache_names_the_layout():
     inputs = _base()
     for name in ("k_cache", "v_cache"):  # (B, Hkv, S, D) stored as flash-attn's (B, S, Hkv, D)
         inputs[name] = inputs[name].transpose(1, 2).contiguous()
-    with pytest.raises(ValueError, match=r"looks like \(B, S_max, Hkv, D\) \(flash-attn's layout\): pass k_cache.transpose"):
+    with pytest.raises(
+        ValueError, match=r"looks like \(B, S_max, Hkv, D\) \(flash-attn's layout\): pass k_cache.transpose"
+    ):
         lean_tp.decode_attention(**inputs)
 
 

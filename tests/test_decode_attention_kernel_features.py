@@ -4,10 +4,12 @@ against the float64 reference.
 
 Outputs, lse and the workspace are NaN-filled before each launch, so an unwritten element fails.
 Grids are forced to 1 program (no splits), 4 and 64 (many splits: outputs straddle programs, so
-windows, sinks and query rows cross merges). The interpreter's bf16 arithmetic is wrong (BRIEF.md),
+windows, sinks and query rows cross merges). The interpreter's bf16 arithmetic is wrong,
 so it runs fp16 and fp32 here; bf16, and every fp8 configuration, are compiled for sm_80 and
 sm_90 by tests/test_kernel_report.py and run on a GPU by tests/gpu.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,22 +20,18 @@ from test_decode_attention_features import assert_matches_feature_ref, make_feat
 
 import lean_tp
 from lean_tp.ops.decode_attention import decode_attention_ref
+from lean_tp.ops.decode_attention.attend import e4m3_words_to_f16
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, kernel_support
-from lean_tp.ops.decode_attention.attend import _e4m3_words_to_f16
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import (
-    alloc_workspace,
-    decode_attention_fwd,
-    features_of,
-    kernel_constexprs,
-    launch_args,
-)
+from lean_tp.ops.decode_attention.launch_args import launch_args, plan_workspace
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.ops.utils import interpreted
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel),
+    reason="interpreter tests; CUDA runs tests/gpu",
 )
 
 FEATURE_ARGS = ("cache_leftpad", "k_scale", "v_scale", "softcap", "window", "sinks")
@@ -46,16 +44,17 @@ def _scale(x):
 def _kernel_call(inputs: dict, num_programs: int) -> dict:
     """Launcher arguments with NaN-filled out, lse and workspace."""
     q = inputs["q"]
-    q4 = q if q.dim() == 4 else q[:, None]
-    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
-    features = features_of(q4, layout, inputs["softcap"], inputs["window"], inputs["sinks"])
-    config = get_config(q.device, q.shape[-1], q.dtype, layout.dtype)
-    rows = kernel_constexprs(config, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
-                             features=features)  # fmt: skip
-    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, rows["BLOCK_G"], q.shape[-1], "cpu"))
-    call = {**inputs, "k_scale": _scale(inputs.get("k_scale")), "v_scale": _scale(inputs.get("v_scale"))}
-    call.update(softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, workspace=workspace,
-                out=torch.full_like(q, float("nan")), lse=torch.full(q.shape[:-1], float("nan")))  # fmt: skip
+    call = {
+        **inputs,
+        "k_scale": _scale(inputs.get("k_scale")),
+        "v_scale": _scale(inputs.get("v_scale")),
+        "softmax_scale": q.shape[-1] ** -0.5,
+    }
+    plan = plan_decode(**call, num_programs=num_programs)
+    workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
+    call.update(
+        plan=plan, workspace=workspace, out=torch.full_like(q, float("nan")), lse=torch.full(q.shape[:-1], float("nan"))
+    )
     return call
 
 
@@ -74,8 +73,12 @@ def tile_lens(head_dim: int = 64) -> list[int]:
 TOKEN_ROWS = {"tq2_g4": (2, 8, 2), "tq4_g1": (4, 4, 4), "tq8_mqa": (8, 8, 1)}
 # Every (rows, grid) pair, the layout alternating so that each layout meets every rows case and
 # every grid: a strength-2 covering array, 9 runs instead of 18.
-TOKEN_MATRIX = [(name, layout, programs) for i, name in enumerate(TOKEN_ROWS) for j, programs in enumerate([1, 4, 64])
-                for layout in [("contiguous", "paged16")[(i + j) % 2]]]  # fmt: skip
+TOKEN_MATRIX = [
+    (name, layout, programs)
+    for i, name in enumerate(TOKEN_ROWS)
+    for j, programs in enumerate([1, 4, 64])
+    for layout in [("contiguous", "paged16")[(i + j) % 2]]
+]
 
 
 @pytest.mark.parametrize("rows,layout,num_programs", TOKEN_MATRIX, ids=["-".join(map(str, m)) for m in TOKEN_MATRIX])
@@ -98,8 +101,18 @@ def test_sliding_window(window, tq, num_programs):
     """Windows of 1 key, under a tile and over a tile, with left padding; the span the schedule
     tiles starts mid-tile, and with Tq > 1 each row has its own window."""
     lens = tile_lens()
-    inputs = make_feature_inputs(lens, 8, 2, 64, torch.float32, "paged16", tq=tq, window=window,
-                                 leftpad=[3 * (i % 3) for i in range(len(lens))], seed=window + tq)  # fmt: skip
+    inputs = make_feature_inputs(
+        lens,
+        8,
+        2,
+        64,
+        torch.float32,
+        "paged16",
+        tq=tq,
+        window=window,
+        leftpad=[3 * (i % 3) for i in range(len(lens))],
+        seed=window + tq,
+    )
     check_kernel(inputs, num_programs, ATOL[torch.float32])
 
 
@@ -122,8 +135,9 @@ def test_sinks_with_empty_sequences_and_splits(num_programs):
 @pytest.mark.parametrize("per_head_scale", [False, True], ids=["tensor_scale", "head_scale"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_fp8_cache(cache_dtype, per_head_scale, layout):
-    inputs = make_feature_inputs(tile_lens(128), 8, 2, 128, torch.float16, layout, cache_dtype=cache_dtype,
-                                 per_head_scale=per_head_scale, seed=7)  # fmt: skip
+    inputs = make_feature_inputs(
+        tile_lens(128), 8, 2, 128, torch.float16, layout, cache_dtype=cache_dtype, per_head_scale=per_head_scale, seed=7
+    )
     check_kernel(inputs, 4, ATOL[torch.float16])
 
 
@@ -131,15 +145,24 @@ def test_fp8_cache(cache_dtype, per_head_scale, layout):
 def test_fp8_cache_head_dims(head_dim):
     """The fp8 tuning entries at the other padded sizes (64 with 256-key blocks, 256 with 64-key
     blocks), per-head scales, a tile's worth of ragged lengths."""
-    inputs = make_feature_inputs(tile_lens(head_dim), 8, 2, head_dim, torch.bfloat16, "paged16",
-                                 cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=head_dim)  # fmt: skip
+    inputs = make_feature_inputs(
+        tile_lens(head_dim),
+        8,
+        2,
+        head_dim,
+        torch.bfloat16,
+        "paged16",
+        cache_dtype=torch.float8_e4m3fn,
+        per_head_scale=True,
+        seed=head_dim,
+    )
     check_kernel(inputs, 4, ATOL[torch.bfloat16])
 
 
 @triton.jit
 def _e4m3_words_kernel(w_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr):
     o_r = tl.arange(0, R)
-    x = _e4m3_words_to_f16(tl.load(w_ptr + o_r[:, None] * C + tl.arange(0, C)[None, :]))
+    x = e4m3_words_to_f16(tl.load(w_ptr + o_r[:, None] * C + tl.arange(0, C)[None, :]))
     tl.store(out_ptr + o_r[:, None] * 4 * C + tl.arange(0, 4 * C)[None, :], x)
 
 
@@ -170,8 +193,18 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion(offset):
     """sm_80's path (e4m3 read as int32 words, or as uint8 bytes where the caches do not start on
     a 4-byte boundary, converted by bit moves) gives bitwise the result of the native conversion,
     checked by running both variants in the interpreter."""
-    inputs = make_feature_inputs([0, 9, 300], 8, 2, 64, torch.float16, "paged16", tq=2, cache_dtype=torch.float8_e4m3fn,
-                                 per_head_scale=True, seed=8)  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 9, 300],
+        8,
+        2,
+        64,
+        torch.float16,
+        "paged16",
+        tq=2,
+        cache_dtype=torch.float8_e4m3fn,
+        per_head_scale=True,
+        seed=8,
+    )
     inputs["v_cache"] = _shifted(inputs["v_cache"], offset)
     # Keys over fp8's whole range, subnormals included (clamped: torch 2.11 casts overflow to NaN).
     spread = inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1])[None, :, None, None]
@@ -179,10 +212,24 @@ def test_fp8_e4m3_as_bytes_matches_the_native_conversion(offset):
     results = []
     for arch in ("sm80", "interp"):
         call = _kernel_call(inputs, 4)
-        args = launch_args(call["q"], call["k_cache"], call["v_cache"], call["cache_seqlens"], None, call["block_table"],
-                           call["out"], call["lse"], call["workspace"], torch.zeros(16, dtype=torch.int32),
-                           call["softmax_scale"], 4, get_config(torch.device("cpu"), 64, torch.float16),
-                           call["k_scale"], call["v_scale"], arch=arch)  # fmt: skip
+        plan = call["plan"]
+        plan = dataclasses.replace(plan, kernel=dataclasses.replace(plan.kernel, arch=arch))
+        args = launch_args(
+            plan,
+            call["q"],
+            call["k_cache"],
+            call["v_cache"],
+            call["cache_seqlens"],
+            None,
+            call["block_table"],
+            call["out"],
+            call["lse"],
+            call["workspace"],
+            torch.zeros(16, dtype=torch.int32),
+            call["softmax_scale"],
+            call["k_scale"],
+            call["v_scale"],
+        )
         assert args["E4M3_BITS"] == (arch == "sm80")
         read_as = {"sm80": torch.uint8 if offset % 4 else torch.int32, "interp": torch.float8_e4m3fn}
         assert args["k_ptr"].dtype == args["v_ptr"].dtype == read_as[arch]
@@ -198,8 +245,18 @@ def test_page_lookup_off_the_page_grid(layout):
     """Page ids are looked up for each block inside the K/V loop, page and slot by a shift and a
     mask: block starts off the page grid (left padding, a window) and every way a sequence meets
     the tiles."""
-    inputs = make_feature_inputs(tile_lens(128) + [700], 8, 2, 128, torch.float16, layout, tq=2,
-                                 leftpad=[3, 0, 17, 1, 0, 5, 2], window=150, seed=14)  # fmt: skip
+    inputs = make_feature_inputs(
+        tile_lens(128) + [700],
+        8,
+        2,
+        128,
+        torch.float16,
+        layout,
+        tq=2,
+        leftpad=[3, 0, 17, 1, 0, 5, 2],
+        window=150,
+        seed=14,
+    )
     check_kernel(inputs, 4, ATOL[torch.float16])
 
 
@@ -208,8 +265,7 @@ def test_pages_holding_whole_blocks(head_dim, tq):
     """Pages of BLOCK_N keys or more, blocks on the page grid (no left padding, no window): one
     page id per block, looked up by the block's first key. D=256 puts two 32-key blocks in each
     64-key page, the second starting mid-page (a lookup a block off fails here, not at D=128)."""
-    inputs = make_feature_inputs(tile_lens(head_dim) + [700], 8, 2, head_dim, torch.float16, "paged64", tq=tq,
-                                 seed=15)  # fmt: skip
+    inputs = make_feature_inputs(tile_lens(head_dim) + [700], 8, 2, head_dim, torch.float16, "paged64", tq=tq, seed=15)
     assert get_config(torch.device("cpu"), head_dim, torch.float16).block_n <= 64
     check_kernel(inputs, 4, ATOL[torch.float16])
 
@@ -219,21 +275,23 @@ def test_pages_holding_whole_blocks(head_dim, tq):
 def test_v_strides_apart_from_k(layout, cache_dtype):
     """V in the right half of a wider allocation (its strides are not K's): the variant that forms
     V's addresses from V's strides, where a paged cache otherwise reuses K's (SAME_KV_STRIDES)."""
-    inputs = make_feature_inputs(tile_lens(64), 8, 2, 64, torch.float16, layout, tq=2, cache_dtype=cache_dtype,
-                                 window=100, seed=13)  # fmt: skip
+    inputs = make_feature_inputs(
+        tile_lens(64), 8, 2, 64, torch.float16, layout, tq=2, cache_dtype=cache_dtype, window=100, seed=13
+    )
     v = inputs["v_cache"]
     wide = torch.randn(*v.shape[:-1], 2 * v.shape[-1]).to(v.dtype)  # the left half is never read
-    wide[..., v.shape[-1]:] = v
-    inputs["v_cache"] = wide[..., v.shape[-1]:]
+    wide[..., v.shape[-1] :] = v
+    inputs["v_cache"] = wide[..., v.shape[-1] :]
     layout_of = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
     assert layout_of.k_strides != layout_of.v_strides
-    q4 = inputs["q"] if inputs["q"].dim() == 4 else inputs["q"][:, None]
-    assert features_of(q4, layout_of, None, 100, None).kv_strides_differ
+    assert _kernel_call(inputs, 4)["plan"].features.kv_strides_differ
     check_kernel(inputs, 4, ATOL[torch.float16])
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(40, torch.float32), (80, torch.float16), (96, torch.float16),
-                                            (160, torch.float32), (192, torch.float16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "head_dim,dtype",
+    [(40, torch.float32), (80, torch.float16), (96, torch.float16), (160, torch.float32), (192, torch.float16)],
+)
 def test_head_dims_padded_to_a_power_of_two(head_dim, dtype):
     inputs = make_feature_inputs(tile_lens(head_dim), 8, 2, head_dim, dtype, "paged16", seed=head_dim)
     check_kernel(inputs, 4, ATOL[dtype])
@@ -242,16 +300,41 @@ def test_head_dims_padded_to_a_power_of_two(head_dim, dtype):
 @pytest.mark.parametrize("num_programs", [1, 4, 64])
 @pytest.mark.parametrize("layout", ["contiguous", "paged64"])
 def test_every_feature_together(layout, num_programs):
-    inputs = make_feature_inputs([0, 9, 129, 700], 8, 2, 96, torch.float16, layout, tq=4,
-                                 cache_dtype=torch.float8_e4m3fn, leftpad=[2, 0, 5, 1], softcap=10.0, window=40,
-                                 sinks=True, per_head_scale=True, seed=9)  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 9, 129, 700],
+        8,
+        2,
+        96,
+        torch.float16,
+        layout,
+        tq=4,
+        cache_dtype=torch.float8_e4m3fn,
+        leftpad=[2, 0, 5, 1],
+        softcap=10.0,
+        window=40,
+        sinks=True,
+        per_head_scale=True,
+        seed=9,
+    )
     check_kernel(inputs, num_programs, ATOL[torch.float16])
 
 
 def test_the_op_runs_every_feature_on_the_triton_backend():
     """Through lean_tp.decode_attention: the same result as the torch backend, within rounding."""
-    inputs = make_feature_inputs([0, 33, 200], 8, 2, 80, torch.float16, "paged16", tq=3, cache_dtype=torch.float8_e5m2,
-                                 softcap=20.0, window=50, sinks=True, seed=12)  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 33, 200],
+        8,
+        2,
+        80,
+        torch.float16,
+        "paged16",
+        tq=3,
+        cache_dtype=torch.float8_e5m2,
+        softcap=20.0,
+        window=50,
+        sinks=True,
+        seed=12,
+    )
     got = lean_tp.decode_attention(**inputs, return_lse=True, backend="triton")
     want = lean_tp.decode_attention(**inputs, return_lse=True, backend="torch")
     torch.testing.assert_close(got[0], want[0], atol=3e-3, rtol=0)
@@ -261,7 +344,9 @@ def test_the_op_runs_every_feature_on_the_triton_backend():
 @pytest.mark.parametrize("head_dim", [4, 36, 264])
 def test_head_dim_rule(head_dim):
     reason = kernel_support(torch.device("cpu"), head_dim, torch.float16)
-    assert reason.startswith(f"head_dim: expected a multiple of 8 up to 256 for the Triton backend, got head_dim={head_dim}")
+    assert reason.startswith(
+        f"head_dim: expected a multiple of 8 up to 256 for the Triton backend, got head_dim={head_dim}"
+    )
     inputs = make_feature_inputs([5], 4, 1, head_dim, torch.float16)
     with pytest.raises(ValueError, match="head_dim: expected a multiple of 8 up to 256"):
         lean_tp.decode_attention(**inputs, backend="triton")
@@ -271,9 +356,34 @@ def test_opcheck_on_the_triton_backend():
     """Schema, registration and fake-tensor checks with the kernel running every feature but fp8
     (opcheck's schema test multiplies inputs, which CPU fp8 tensors do not support). The AOT
     dispatch test traces the op, and an interpreted kernel cannot be traced; tests/gpu compiles it."""
-    inputs = make_feature_inputs([0, 9, 70], 8, 2, 64, torch.float32, "paged16", tq=3, leftpad=[2, 0, 4],
-                                 softcap=10.0, window=20, sinks=True, seed=13)  # fmt: skip
-    args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
-            inputs["cache_leftpad"], 0.125, "triton", None, None, inputs["softcap"], inputs["window"], inputs["sinks"])  # fmt: skip
+    inputs = make_feature_inputs(
+        [0, 9, 70],
+        8,
+        2,
+        64,
+        torch.float32,
+        "paged16",
+        tq=3,
+        leftpad=[2, 0, 4],
+        softcap=10.0,
+        window=20,
+        sinks=True,
+        seed=13,
+    )
+    args = (
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        inputs["cache_seqlens"],
+        inputs["block_table"],
+        inputs["cache_leftpad"],
+        0.125,
+        "triton",
+        None,
+        None,
+        inputs["softcap"],
+        inputs["window"],
+        inputs["sinks"],
+    )
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.lean_tp.decode_attention.default, args, test_utils=utils)

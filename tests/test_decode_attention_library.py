@@ -9,8 +9,16 @@ import lean_tp
 
 def _op_args(inputs, backend="auto"):
     scale = inputs["q"].shape[-1] ** -0.5
-    return (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], inputs["block_table"],
-            inputs["cache_leftpad"], scale, backend)
+    return (
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        inputs["cache_seqlens"],
+        inputs["block_table"],
+        inputs["cache_leftpad"],
+        scale,
+        backend,
+    )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
@@ -42,7 +50,12 @@ def test_compile_fullgraph_matches_eager(layout):
 
     def step(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
         out, lse = lean_tp.decode_attention(
-            q * 1.5, k_cache, v_cache, cache_seqlens, block_table=block_table, cache_leftpad=cache_leftpad,
+            q * 1.5,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table=block_table,
+            cache_leftpad=cache_leftpad,
             return_lse=True,
         )
         return out + 1.0, lse

@@ -17,26 +17,29 @@ from test_decode_attention_features import assert_matches_feature_ref, make_feat
 from lean_tp.ops.decode_attention import launcher
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import (
-    alloc_workspace,
-    counters_size,
-    decode_attention_fwd,
-    features_of,
-    kernel_constexprs,
-    lean_schedule,
-    merge_plan,
-)
+from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
 from lean_tp.ops.decode_attention.tuning import MERGE_FANIN, DecodeConfig
 from lean_tp.ops.utils import interpreted
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel), reason="interpreter tests; CUDA runs tests/gpu"
+    torch.cuda.is_available() or not interpreted(decode_attention_fwd_kernel),
+    reason="interpreter tests; CUDA runs tests/gpu",
 )
 
 TILE = 16
 # 4096-element merge waves: 4 partials per merge-loop iteration at D=64, so waves are full, partial (groups of 7)
 # and single (the second level of 2 groups).
-CONFIG = DecodeConfig(TILE, 16, 64, 4, 1, 1, "test: 16-key tiles split short sequences over many programs", 4096)
+CONFIG = DecodeConfig(
+    tile_n=TILE,
+    block_n=16,
+    max_block_g=64,
+    num_warps=4,
+    num_stages=1,
+    max_programs_per_sm=1,
+    merge_wave_elems=4096,
+    reason="test: 16-key tiles split short sequences over many programs",
+)
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
 
@@ -44,19 +47,23 @@ WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 
 def run(inputs: dict, num_programs: int):
     """(out, lse, counters) of one launch with NaN-filled out, lse and workspace."""
     q = inputs["q"]
-    q4 = q if q.dim() == 4 else q[:, None]
-    layout = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"])
-    features = features_of(q4, layout, inputs.get("softcap"), inputs.get("window"), inputs.get("sinks"))
-    cx = kernel_constexprs(CONFIG, q.shape[-1], q.shape[-2] // layout.num_kv_heads, q.dtype, layout.page_size,
-                           features=features)  # fmt: skip
-    workspace = tuple(t.fill_(float("nan")) for t in alloc_workspace(num_programs, cx["BLOCK_G"], q.shape[-1], "cpu"))
+    scales = {
+        k: torch.tensor([v]) if isinstance(v, float) else v
+        for k in ("k_scale", "v_scale")
+        if (v := inputs.get(k)) is not None
+    }
+    call = {**inputs, **scales, "softmax_scale": q.shape[-1] ** -0.5}
+    plan = plan_decode(**call, num_programs=num_programs, config=CONFIG)
+    workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
-    scales = {k: torch.tensor([v]) if isinstance(v, float) else v for k in ("k_scale", "v_scale") if (v := inputs.get(k)) is not None}
     out, lse = decode_attention_fwd(
-        **{**inputs, **scales}, softmax_scale=q.shape[-1] ** -0.5, num_programs=num_programs, config=CONFIG,
-        counters=counters, out=torch.full_like(q, float("nan")), lse=torch.full(q.shape[:-1], float("nan")),
+        **call,
+        plan=plan,
+        counters=counters,
+        out=torch.full_like(q, float("nan")),
+        lse=torch.full(q.shape[:-1], float("nan")),
         workspace=workspace,
-    )  # fmt: skip
+    )
     return out, lse, counters
 
 
@@ -125,8 +132,9 @@ def arrival_order(monkeypatch):
     end before the next, so this order is the order in which programs arrive at every merge."""
     order: list[int] = []
     set_grid_idx = interpreter.interpreter_builder.set_grid_idx
-    monkeypatch.setattr(interpreter.interpreter_builder, "set_grid_idx",
-                        lambda x, y, z: set_grid_idx(order[x] if order else x, y, z))  # fmt: skip
+    monkeypatch.setattr(
+        interpreter.interpreter_builder, "set_grid_idx", lambda x, y, z: set_grid_idx(order[x] if order else x, y, z)
+    )
     return order
 
 
@@ -136,7 +144,11 @@ def test_result_does_not_depend_on_arrival_order(arrival_order):
     inputs = make_feature_inputs([WHOLE_GRID // 2 - 5, 40, 0, 300], 8, 2, 64, torch.float32, "contiguous", tq=2, seed=5)
     num_programs = 32
     results = []
-    for perm in (list(range(num_programs)), list(range(num_programs))[::-1], random.Random(0).sample(range(num_programs), num_programs)):
+    for perm in (
+        list(range(num_programs)),
+        list(range(num_programs))[::-1],
+        random.Random(0).sample(range(num_programs), num_programs),
+    ):
         arrival_order[:] = perm
         out, lse, counters = run(inputs, num_programs)
         assert (counters == 0).all()

@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lean_tp.ops.decode_attention import lean_schedule, merge_partials
+from lean_tp.ops.decode_attention import lean_schedule
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN, MIN_TILES_PER_PROGRAM
+from lean_tp.ops.merge_attention import merge_partials
 from lean_tp.ops.utils import interpreted
 
 needs_kernel = pytest.mark.skipif(
@@ -29,7 +30,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     programs_per_sm=st.integers(1, 3),
     max_span=st.one_of(st.none(), st.integers(1, 300)),
 )
-def test_schedule_covers_every_tile_once_with_balanced_loads(lens, head_units, tile_n, num_sms, programs_per_sm, max_span):
+def test_schedule_covers_every_tile_once_with_balanced_loads(
+    lens, head_units, tile_n, num_sms, programs_per_sm, max_span
+):
     """With a sliding window (max_span = window + Tq - 1) only the span's tiles exist: a sequence
     costs min(len, max_span) keys, whatever its length."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_tp.py"
 WORKER = ROOT / "tests" / "tp_worker.py"
@@ -23,7 +22,15 @@ def _run(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subpr
 
 
 def _torchrun(world: int, script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(script),
+        *args,
+    ]
     return _run(cmd, timeout)
 
 
@@ -39,8 +46,11 @@ def test_single_process_defaults_check():
     assert "of decode time (profiled over 8 steps)" in out, out
 
 
-@pytest.mark.parametrize("world,cp,compiled", [(2, "2", True), (4, "2", False), (8, "1,4,8", False)],
-                         ids=["world2-compiled", "world4", "world8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "world,cp,compiled",
+    [(2, "2", True), (4, "2", False), (8, "1,4,8", False)],
+    ids=["world2-compiled", "world4", "world8"],
+)
 def test_tp_and_cp_match_single_process(world, cp, compiled):
     """Ragged batch, each layout (TP x CP) of one launch against one process: TP 1 x CP 2 compiled
     (fullgraph: the CP all-gather, the merge op and the MLP's all-reduce in the graph); TP 2 x CP 2;
@@ -78,10 +88,18 @@ def _spawn_ranks(world: int, cmd, started: int | None = None) -> list[subprocess
     up; only the first ``started`` of them when given. ``cmd``: a command, or rank -> command."""
     port, procs = _free_port(), []
     for rank in range(world if started is None else started):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                            "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+        env = os.environ | {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
         argv = cmd(rank) if callable(cmd) else cmd
-        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     return procs
 
 
@@ -93,8 +111,10 @@ def test_unshardable_heads_fail_on_every_rank():
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and "Traceback" not in err
-        message = ("decode_tp.py: error: argument --model: cannot shard attention: expected n_heads divisible by "
-                   "world_size, got n_heads=8, n_kv_heads=2, world_size=3")
+        message = (
+            "decode_tp.py: error: argument --model: cannot shard attention: expected n_heads divisible by "
+            "world_size, got n_heads=8, n_kv_heads=2, world_size=3"
+        )
         assert (message in err) == (rank == 0), err
 
 
@@ -105,8 +125,10 @@ def test_ranks_started_with_different_settings_all_stop():
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
-        message = ("decode_tp.py: error: ranks were started with different settings: expected one --cp, "
-                   "got [1] on rank 0, [2] on rank 1")
+        message = (
+            "decode_tp.py: error: ranks were started with different settings: expected one --cp, "
+            "got [1] on rank 0, [2] on rank 1"
+        )
         assert (message in err) == (rank == 0), err
 
 
@@ -138,4 +160,3 @@ def test_torchrun_stops_all_ranks_when_one_raises():
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr
     assert time.monotonic() - start < 60  # well before the 60 s collective timeout would fire
-

@@ -28,7 +28,9 @@ def test_flash_decoding_matches_float64(dtype, hq, hkv, lens, splits):
     lse = torch.full((batch, hq), float("nan"))
     ws = (torch.full((batch, hq, splits, 64), float("nan")), torch.full((batch, hq, splits, 2), float("nan")))
     flash_decoding(**inputs, num_splits=splits, out=out, lse=lse, workspace=ws)
-    assert_matches_ref(out, lse, inputs | {"block_table": None, "cache_leftpad": None}, atol=2e-5 if dtype == torch.float32 else 2e-3)
+    assert_matches_ref(
+        out, lse, inputs | {"block_table": None, "cache_leftpad": None}, atol=2e-5 if dtype == torch.float32 else 2e-3
+    )
 
 
 def test_default_split_count_follows_fa2():
@@ -62,7 +64,9 @@ print("COMPILED")
 def test_flash_decoding_compiles_for_sm80_and_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0")
     bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=bench_dir, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE], cwd=bench_dir, env=env, capture_output=True, text=True, timeout=600
+    )
     assert "COMPILED" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -14,17 +14,28 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from lean_tp.integrations.deepspeed import check_tp_heads, init_inference, injection_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, pad_token_id=0)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    pad_token_id=0,
+)
 SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 
-@pytest.mark.parametrize("config,layer", [
-    (LlamaConfig(**SMALL), "LlamaDecoderLayer"),
-    (MistralConfig(**SMALL), "MistralDecoderLayer"),
-    (Qwen2Config(**SMALL), "Qwen2DecoderLayer"),
-    (Phi3Config(**SMALL), "Phi3DecoderLayer"),
-], ids=lambda x: x if isinstance(x, str) else type(x).__name__)
+@pytest.mark.parametrize(
+    "config,layer",
+    [
+        (LlamaConfig(**SMALL), "LlamaDecoderLayer"),
+        (MistralConfig(**SMALL), "MistralDecoderLayer"),
+        (Qwen2Config(**SMALL), "Qwen2DecoderLayer"),
+        (Phi3Config(**SMALL), "Phi3DecoderLayer"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else type(x).__name__,
+)
 def test_injection_policy_found_on_the_model(config, layer):
     policy = injection_policy(AutoModelForCausalLM.from_config(config))
     ((cls, names),) = policy.items()
@@ -41,7 +52,10 @@ def test_injection_policy_errors():
 
 def test_zero_kv_heads_rejected_before_deepspeed():
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL))
-    with pytest.raises(ValueError, match=r"tp_size: expected at most num_key_value_heads=2 ranks \(num_attention_heads=4\), got tp_size=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size: expected at most num_key_value_heads=2 ranks \(num_attention_heads=4\), got tp_size=4",
+    ):
         init_inference(model, tp_size=4)
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="tp_size: expected a positive integer"):
@@ -77,7 +91,15 @@ def test_deepspeed_launcher_runs_the_example():
     """The example under DeepSpeed's own launcher (which passes --local_rank), checked against the
     unsharded model; torchrun's environment is test_tp2_decode_runs_on_the_lean_op_with_local_heads's."""
     before = set(glob.glob(SHM))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "examples/deepspeed_inference.py", "--check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "examples/deepspeed_inference.py",
+        "--check",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "tp 2, lean attention" in proc.stdout and "check: OK" in proc.stdout

@@ -22,7 +22,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit  # noqa: E402
 from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as kit_graph  # noqa: E402
-from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as kit_verify  # noqa: E402
+from sglang.test.kits.attention_unittest.runner_modes import (
+    speculative_target_verify_runner as kit_verify,  # noqa: E402
+)
 
 import lean_tp.integrations.sglang as lean_sglang  # noqa: E402
 from lean_tp.integrations.sglang import backend as lean_backend  # noqa: E402
@@ -84,8 +86,11 @@ def test_registered_through_the_sglang_plugin_entry_point():
 
 # -- SGLang's attention test kit ---------------------------------------------------------------------
 
-KIT_CASES = kit.make_dense_cases(NAME) + kit.make_swa_no_prefix_input_config_cases(NAME) + \
-    kit.make_swa_prefix_input_config_cases(NAME)
+KIT_CASES = (
+    kit.make_dense_cases(NAME)
+    + kit.make_swa_no_prefix_input_config_cases(NAME)
+    + kit.make_swa_prefix_input_config_cases(NAME)
+)
 
 
 DECODE_CASES = [c for c in KIT_CASES if c.forward_mode.is_decode()]
@@ -120,8 +125,14 @@ def test_sglang_kit_cuda_graph_decode(case, op_backend, lean_calls):
 
 def _verify_case(page_size: int, prefix_lens=(5, 17, 30), drafts: int = 3) -> kit.DenseAttentionCase:
     return kit.DenseAttentionCase(
-        name=f"verify_p{page_size}", backend=NAME, forward_mode=ForwardMode.TARGET_VERIFY, num_heads=4,
-        num_kv_heads=2, page_size=page_size, prefix_lens=prefix_lens, extend_lens=(drafts,) * len(prefix_lens),
+        name=f"verify_p{page_size}",
+        backend=NAME,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=page_size,
+        prefix_lens=prefix_lens,
+        extend_lens=(drafts,) * len(prefix_lens),
     )
 
 
@@ -135,17 +146,30 @@ def test_sglang_kit_chain_verify(page_size, op_backend, lean_calls):
 # -- against float64 -------------------------------------------------------------------------------
 
 
-def _fixture(page_size: int, num_heads: int, num_kv_heads: int, prefix_lens, mode=ForwardMode.DECODE,
-             drafts: int = 1, dtype=torch.float16):
+def _fixture(
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    prefix_lens,
+    mode=ForwardMode.DECODE,
+    drafts: int = 1,
+    dtype=torch.float16,
+):
     """The kit's runner, pool and forward batch for a batch (slots shuffled by page), with the
     backend built over them."""
     case = kit.DenseAttentionCase(
-        name=f"lean_p{page_size}_h{num_heads}_{num_kv_heads}", backend=NAME, forward_mode=mode,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size, prefix_lens=tuple(prefix_lens),
+        name=f"lean_p{page_size}_h{num_heads}_{num_kv_heads}",
+        backend=NAME,
+        forward_mode=mode,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        prefix_lens=tuple(prefix_lens),
         extend_lens=(drafts,) * len(prefix_lens) if drafts > 1 else (),
     )
-    fixture = kit.build_dense_attention_fixture(_Case(), case, head_dim=64, hidden_size=64, dtype=dtype, device="cpu",
-                                                max_context_len=320)
+    fixture = kit.build_dense_attention_fixture(
+        _Case(), case, head_dim=64, hidden_size=64, dtype=dtype, device="cpu", max_context_len=320
+    )
     if drafts > 1:
         kit_verify._prepare_spec_verify_batch(case, fixture.forward_batch, topk=1, spec_kind="eagle", device="cpu")
     return fixture
@@ -163,8 +187,9 @@ def _reference(fixture, q, layer, drafts: int, **features):
     if "k_scale" in features:
         k, v = k * features.pop("k_scale"), v * features.pop("v_scale")
     qq = q.view(len(lens), drafts, *q.shape[1:]) if drafts > 1 else q.view(len(lens), *q.shape[1:])
-    out, _ = decode_attention_ref(qq.float(), k, v, torch.tensor(lens, dtype=torch.int32), softmax_scale=layer.scaling,
-                                  **features)
+    out, _ = decode_attention_ref(
+        qq.float(), k, v, torch.tensor(lens, dtype=torch.int32), softmax_scale=layer.scaling, **features
+    )
     return out.reshape(q.shape[0], -1)
 
 
@@ -192,8 +217,15 @@ def test_sglang_decode_matches_float64(page_size, feature, op_backend, lean_call
     backend.init_forward_metadata(fixture.forward_batch)
     out = backend.forward(q, k, v, layer, fixture.forward_batch, sinks=sinks)
     window = options.get("sliding_window_size")
-    expected = _reference(fixture, q, layer, 1, softcap=options.get("logit_cap"), sinks=sinks,
-                          window=None if window is None else window + 1)
+    expected = _reference(
+        fixture,
+        q,
+        layer,
+        1,
+        softcap=options.get("logit_cap"),
+        sinks=sinks,
+        window=None if window is None else window + 1,
+    )
     torch.testing.assert_close(out.double(), expected, atol=TOL[torch.float16], rtol=0)
     assert len(lean_calls) == 1 and lean_calls[0][1]["window"] == (None if window is None else window + 1)
 
@@ -260,8 +292,9 @@ def test_sglang_deterministic_inference_is_batch_invariant(op_backend):
         backend.init_forward_metadata(fixture.forward_batch)
         outs.append(backend.forward(q[rows], k[rows], v[rows], layer, fixture.forward_batch))
     # Both pools hold request 0's keys from the same seed (checked), so its row must agree bit for bit.
-    keys = [f.runner.token_to_kv_pool.k_buffer[0][f.runner.req_to_token_pool.req_to_token[0, :151].long()]
-            for f in fixtures]
+    keys = [
+        f.runner.token_to_kv_pool.k_buffer[0][f.runner.req_to_token_pool.req_to_token[0, :151].long()] for f in fixtures
+    ]
     assert torch.equal(keys[0], keys[1])
     assert torch.equal(outs[0][0], outs[1][0])
 
@@ -277,21 +310,27 @@ def _runner(**changes):
     return runner
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(use_mla_backend=True), "MLA"),
-    (dict(model_config=SimpleNamespace(is_encoder_decoder=True)), "encoder-decoder"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(use_mla_backend=True), "MLA"),
+        (dict(model_config=SimpleNamespace(is_encoder_decoder=True)), "encoder-decoder"),
+    ],
+)
 def test_sglang_refuses_runners_it_cannot_serve(change, message):
     with pytest.raises(ValueError, match=message):
         lean_sglang.create_backend(_runner(**change))
 
 
-@pytest.mark.parametrize("layer,message", [
-    (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, is_cross_attention=True), "attn_type"),
-    (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, attn_type=AttentionType.ENCODER_ONLY), "attn_type"),
-    (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, v_head_dim=32), "head_dim"),
-    (lambda: RadixAttention(4, 12, 0.125, 2, layer_id=0), "head_dim: expected a multiple of 8"),
-])
+@pytest.mark.parametrize(
+    "layer,message",
+    [
+        (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, is_cross_attention=True), "attn_type"),
+        (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, attn_type=AttentionType.ENCODER_ONLY), "attn_type"),
+        (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, v_head_dim=32), "head_dim"),
+        (lambda: RadixAttention(4, 12, 0.125, 2, layer_id=0), "head_dim: expected a multiple of 8"),
+    ],
+)
 def test_sglang_refuses_layers_it_cannot_run(layer, message):
     fixture = _fixture(16, 4, 2, [3])
     fixture.backend.init_forward_metadata(fixture.forward_batch)
@@ -302,8 +341,16 @@ def test_sglang_refuses_layers_it_cannot_run(layer, message):
 
 def test_sglang_refuses_sinks_in_cpu_prefill():
     """SGLang's torch-native prefill (the CPU delegate) has no sinks: refused, not dropped."""
-    case = kit.DenseAttentionCase(name="extend_sinks", backend=NAME, forward_mode=ForwardMode.EXTEND, num_heads=4,
-                                  num_kv_heads=2, page_size=16, prefix_lens=(3,), extend_lens=(2,))
+    case = kit.DenseAttentionCase(
+        name="extend_sinks",
+        backend=NAME,
+        forward_mode=ForwardMode.EXTEND,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=16,
+        prefix_lens=(3,),
+        extend_lens=(2,),
+    )
     fixture = kit.build_dense_attention_fixture(_Case(), case, head_dim=64, hidden_size=64, device="cpu")
     fixture.backend.init_forward_metadata(fixture.forward_batch)
     q, kv = torch.randn(2, 4, 64).half(), torch.randn(2, 2, 64).half()

@@ -11,8 +11,16 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 
 import lean_tp.integrations.transformers as lean_hf
 
-SMALL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-             intermediate_size=256, max_position_embeddings=256, pad_token_id=0)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
 CONFIGS = {"llama": LlamaConfig(**SMALL), "mistral": MistralConfig(**SMALL), "qwen2": Qwen2Config(**SMALL)}
 
 
@@ -34,7 +42,9 @@ def _pair(arch: str, dtype=torch.float32):
     torch.manual_seed(0)
     # Each model gets its own config: from_config records the attention implementation on it.
     sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[arch]), attn_implementation="sdpa", dtype=dtype)
-    lean = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[arch]), attn_implementation=lean_hf.register(), dtype=dtype)
+    lean = AutoModelForCausalLM.from_config(
+        copy.deepcopy(CONFIGS[arch]), attn_implementation=lean_hf.register(), dtype=dtype
+    )
     assert sdpa.config._attn_implementation == "sdpa" and lean.config._attn_implementation == "lean"
     lean.load_state_dict(sdpa.state_dict())
     return sdpa.eval(), lean.eval()
@@ -84,7 +94,9 @@ def test_bf16_logits_match_sdpa_every_step():
             torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=4e-2, rtol=4e-2)
             token = logits[0].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            logits = [m(token, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
+            logits = [
+                m(token, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)
+            ]
 
 
 def test_right_padding_falls_back_to_sdpa_logged_once(caplog, lean_calls):
@@ -102,16 +114,19 @@ def test_right_padding_falls_back_to_sdpa_logged_once(caplog, lean_calls):
     assert lean_calls == []
 
 
-@pytest.mark.parametrize("rows,window,expect", [
-    ([[0, 0, 1, 1, 1, 0]], None, ([2], [5], [True])),  # left padding + unfilled static tail
-    ([[1, 1, 1, 1, 1, 1]], None, ([0], [6], [True])),
-    ([[0, 0, 0, 1, 1, 0]], None, ([3], [5], [True])),  # sliding window cut
-    ([[1, 1, 0, 0, 1, 0]], None, ([0], [5], [False])),  # right padding: a gap
-    ([[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 1]], None, ([1], [5], [True])),  # 3 tokens, causal
-    ([[1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0]], 2, ([0], [4], [True])),  # 3 tokens, window 2
-    ([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], 2, ([0], [4], [False])),  # the mask has no window
-    ([[0, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 1]], None, ([1], [5], [False])),  # not causal
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,window,expect",
+    [
+        ([[0, 0, 1, 1, 1, 0]], None, ([2], [5], [True])),  # left padding + unfilled static tail
+        ([[1, 1, 1, 1, 1, 1]], None, ([0], [6], [True])),
+        ([[0, 0, 0, 1, 1, 0]], None, ([3], [5], [True])),  # sliding window cut
+        ([[1, 1, 0, 0, 1, 0]], None, ([0], [5], [False])),  # right padding: a gap
+        ([[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 1]], None, ([1], [5], [True])),  # 3 tokens, causal
+        ([[1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0]], 2, ([0], [4], [True])),  # 3 tokens, window 2
+        ([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], 2, ([0], [4], [False])),  # the mask has no window
+        ([[0, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 1]], None, ([1], [5], [False])),  # not causal
+    ],
+)
 def test_mask_bounds(rows, window, expect):
     mask = torch.tensor(rows, dtype=torch.bool)[None, None]
     leftpad, seqlens, matches = lean_hf.mask_bounds(mask, 1, mask.shape[2], mask.shape[-1], window, torch.device("cpu"))

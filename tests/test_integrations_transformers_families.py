@@ -14,8 +14,16 @@ from test_integrations_transformers import _batch
 
 import lean_tp.integrations.transformers as lean_hf
 
-TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
 WINDOW = 5  # shorter than the prompts, so every decode step's window cuts keys off
 
 
@@ -23,19 +31,54 @@ def _configs():
     t = transformers
     return {
         # family: (config, reference implementation)
-        "gemma2": (t.Gemma2Config(**TINY, head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=2.0,
-                                  final_logit_softcapping=None, query_pre_attn_scalar=24), "eager"),
-        "gemma3": (t.Gemma3TextConfig(**TINY, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                                      layer_types=["sliding_attention", "full_attention"]), "sdpa"),
+        "gemma2": (
+            t.Gemma2Config(
+                **TINY,
+                head_dim=32,
+                sliding_window=WINDOW,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=None,
+                query_pre_attn_scalar=24,
+            ),
+            "eager",
+        ),
+        "gemma3": (
+            t.Gemma3TextConfig(
+                **TINY,
+                head_dim=32,
+                sliding_window=WINDOW,
+                query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            "sdpa",
+        ),
         "mistral": (t.MistralConfig(**TINY, sliding_window=WINDOW), "sdpa"),
-        "qwen2": (t.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
-                                layer_types=["sliding_attention", "sliding_attention"]), "sdpa"),
-        "gpt_oss": (t.GptOssConfig(**{**TINY, "num_attention_heads": 4}, head_dim=16, sliding_window=WINDOW,
-                                   num_local_experts=4, num_experts_per_tok=2,
-                                   layer_types=["sliding_attention", "full_attention"]), "eager"),
-        "phi3": (t.Phi3Config(**{**TINY, "hidden_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1}),
-                 "sdpa"),  # head_dim 96
-    }  # fmt: skip
+        "qwen2": (
+            t.Qwen2Config(
+                **TINY,
+                use_sliding_window=True,
+                sliding_window=WINDOW,
+                max_window_layers=0,
+                layer_types=["sliding_attention", "sliding_attention"],
+            ),
+            "sdpa",
+        ),
+        "gpt_oss": (
+            t.GptOssConfig(
+                **{**TINY, "num_attention_heads": 4},
+                head_dim=16,
+                sliding_window=WINDOW,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            "eager",
+        ),
+        "phi3": (
+            t.Phi3Config(**{**TINY, "hidden_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1}),
+            "sdpa",
+        ),  # head_dim 96
+    }
 
 
 @pytest.fixture

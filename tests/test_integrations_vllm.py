@@ -62,21 +62,45 @@ def _batch(requests, block_size, num_kv_heads, head_size, gen):
     for b, row in enumerate(pages):
         block_table[b, : len(row)] = row
     starts = torch.tensor([0] + [q for _, q in requests]).cumsum(0).int()
-    slots = [block_table[b, n // block_size] * block_size + n % block_size for b, s in enumerate(seq_lens) for n in range(s)]
-    new_slots = torch.cat([torch.stack(slots[sum(seq_lens[:b]) + c : sum(seq_lens[: b + 1])])
-                           for b, (c, q) in enumerate(requests) if q] or [torch.zeros(0, dtype=torch.int32)])  # fmt: skip
+    slots = [
+        block_table[b, n // block_size] * block_size + n % block_size for b, s in enumerate(seq_lens) for n in range(s)
+    ]
+    new_slots = torch.cat(
+        [torch.stack(slots[sum(seq_lens[:b]) + c : sum(seq_lens[: b + 1])]) for b, (c, q) in enumerate(requests) if q]
+        or [torch.zeros(0, dtype=torch.int32)]
+    )
     common = CommonAttentionMetadata(
-        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(requests), num_actual_tokens=int(starts[-1]), max_query_len=max(q for _, q in requests),
-        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=new_slots.long(),
+        query_start_loc=starts,
+        query_start_loc_cpu=starts.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(requests),
+        num_actual_tokens=int(starts[-1]),
+        max_query_len=max(q for _, q in requests),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=new_slots.long(),
         seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
-    )  # fmt: skip
+    )
     return common, torch.stack(slots).long() if slots else torch.zeros(0, dtype=torch.long), sum(needed) + 1
 
 
-def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=64, dtype=torch.float32,
-              kv_cache_dtype="auto", window=None, softcap=None, use_sinks=False, spec_tokens=0, pad_tokens=0,
-              seed=0, device="cpu"):  # fmt: skip
+def make_case(
+    vllm_config,
+    requests,
+    *,
+    block_size=16,
+    heads=(8, 2),
+    head_size=64,
+    dtype=torch.float32,
+    kv_cache_dtype="auto",
+    window=None,
+    softcap=None,
+    use_sinks=False,
+    spec_tokens=0,
+    pad_tokens=0,
+    seed=0,
+    device="cpu",
+):
     """One layer's batch, built as vLLM builds it: every request's earlier K/V written through the
     backend's cache update, the new tokens' slots NaN until the update before forward.
     ``pad_tokens``: tokens appended with slot -1, as CUDA-graph padding adds. Returns a namespace
@@ -84,13 +108,24 @@ def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=6
     the real tokens' rows)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
-    vllm_config.speculative_config = SpeculativeConfig(num_speculative_tokens=spec_tokens, method="ngram") if spec_tokens else None
+    vllm_config.speculative_config = (
+        SpeculativeConfig(num_speculative_tokens=spec_tokens, method="ngram") if spec_tokens else None
+    )
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     builder = LeanAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device(device))
     sinks = torch.randn(num_heads, generator=gen) * 2 if use_sinks else None
     scale = head_size**-0.5
-    impl = LeanAttentionImpl(num_heads, head_size, scale, num_kv_heads, None, window, kv_cache_dtype, softcap,
-                             sinks=sinks.to(device) if use_sinks else None)  # fmt: skip
+    impl = LeanAttentionImpl(
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        None,
+        window,
+        kv_cache_dtype,
+        softcap,
+        sinks=sinks.to(device) if use_sinks else None,
+    )
     fp8 = FP8_CACHE_DTYPES.get(kv_cache_dtype)
     layer = SimpleNamespace(_k_scale=torch.tensor(0.7, device=device), _v_scale=torch.tensor(1.3, device=device))
     common, all_slots, num_blocks = _batch(requests, block_size, num_kv_heads, head_size, gen)
@@ -98,8 +133,13 @@ def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=6
     cache = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size, dtype=torch.uint8 if fp8 else dtype)
     common.num_actual_tokens += pad_tokens
     common.slot_mapping = torch.cat([common.slot_mapping, torch.full((pad_tokens,), -1)])
-    seqs = [(torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype),
-             torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype)) for c, q in requests]  # fmt: skip
+    seqs = [
+        (
+            torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype),
+            torch.randn(c + q, num_kv_heads, head_size, generator=gen).to(dtype),
+        )
+        for c, q in requests
+    ]
     new = [n for n, (c, q) in enumerate(requests) for _ in range(q)]
     new_tok = torch.cat([torch.arange(c, c + q) for c, q in requests])
     pad = torch.randn(pad_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
@@ -114,9 +154,17 @@ def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=6
             k, v, scales = (k.float() / 0.7).to(fp8), (v.float() / 1.3).to(fp8), dict(k_scale=0.7, v_scale=1.3)
         lo = int(common.query_start_loc_cpu[b])
         # The request's K/V unpaged, as a one-sequence contiguous cache (1, Hkv, S, D).
-        out, _ = decode_attention_ref(query[None, lo : lo + q], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                      torch.tensor([c + q], dtype=torch.int32), softmax_scale=scale, softcap=softcap,
-                                      window=window, sinks=sinks, **scales)  # fmt: skip
+        out, _ = decode_attention_ref(
+            query[None, lo : lo + q],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            torch.tensor([c + q], dtype=torch.int32),
+            softmax_scale=scale,
+            softcap=softcap,
+            window=window,
+            sinks=sinks,
+            **scales,
+        )
         ref[lo : lo + q] = out[0]
     for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
         setattr(common, name, getattr(common, name).to(device))
@@ -128,8 +176,17 @@ def make_case(vllm_config, requests, *, block_size=16, heads=(8, 2), head_size=6
     new_slots = common.slot_mapping[common.slot_mapping >= 0]
     cache.view(-1, num_kv_heads, 2 * head_size)[new_slots] = 127 if fp8 else float("nan")
     impl.do_kv_cache_update(layer, k_new, v_new, kv_cache, common.slot_mapping)
-    return SimpleNamespace(impl=impl, layer=layer, kv_cache=kv_cache, common=common, query=query, k_new=k_new,
-                           v_new=v_new, metadata=builder.build(0, common), ref=ref)  # fmt: skip
+    return SimpleNamespace(
+        impl=impl,
+        layer=layer,
+        kv_cache=kv_cache,
+        common=common,
+        query=query,
+        k_new=k_new,
+        v_new=v_new,
+        metadata=builder.build(0, common),
+        ref=ref,
+    )
 
 
 def forward(case):
@@ -178,7 +235,13 @@ def test_dtypes_and_head_sizes(vllm_config, dtype, head_size):
 
 @pytest.mark.parametrize(
     "features",
-    [dict(window=7), dict(window=64), dict(softcap=4.0), dict(use_sinks=True), dict(window=20, softcap=3.0, use_sinks=True)],
+    [
+        dict(window=7),
+        dict(window=64),
+        dict(softcap=4.0),
+        dict(use_sinks=True),
+        dict(window=20, softcap=3.0, use_sinks=True),
+    ],
     ids=["window7", "window64", "softcap", "sinks", "all"],
 )
 def test_serving_features(vllm_config, features):
@@ -232,8 +295,15 @@ def test_triton_kernel_in_the_interpreter(vllm_config, lean_calls, monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
     monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
-    output, ref, _ = _run(vllm_config, [(0, 2), (15, 2), (33, 2), (5, 9)], spec_tokens=1, window=20,
-                          use_sinks=True, dtype=torch.float16, seed=7)  # fmt: skip
+    output, ref, _ = _run(
+        vllm_config,
+        [(0, 2), (15, 2), (33, 2), (5, 9)],
+        spec_tokens=1,
+        window=20,
+        use_sinks=True,
+        dtype=torch.float16,
+        seed=7,
+    )
     check(output, ref, torch.float16)
     assert lean_calls == [(3, 2, 8, 64)]
 
@@ -251,9 +321,19 @@ def test_registration_and_selection():
 
 
 def _reasons(**overrides):
-    args = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
-                has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-                device_capability=None, attn_type=AttentionType.DECODER)  # fmt: skip
+    args = dict(
+        head_size=64,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=None,
+        attn_type=AttentionType.DECODER,
+    )
     args.update(overrides)
     return LeanAttentionBackend.validate_configuration(**args)
 
@@ -266,7 +346,9 @@ def test_vllm_sees_what_the_backend_takes():
     assert _reasons(block_size=24) == ["block_size not supported"]
     assert _reasons(kv_cache_dtype="int8_per_token_head") == ["kv_cache_dtype not supported"]
     assert _reasons(attn_type="encoder_decoder") == ["attention type encoder_decoder not supported"]
-    assert _reasons(kv_cache_dtype="fp8", dtype=torch.float32) == ["an fp8 KV cache needs a float16 or bfloat16 model, got torch.float32"]
+    assert _reasons(kv_cache_dtype="fp8", dtype=torch.float32) == [
+        "an fp8 KV cache needs a float16 or bfloat16 model, got torch.float32"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -283,8 +365,18 @@ def test_vllm_sees_what_the_backend_takes():
     ],
 )
 def test_layer_the_backend_cannot_run_is_named(overrides, match):
-    args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
-                kv_cache_dtype="auto") | overrides  # fmt: skip
+    args = (
+        dict(
+            num_heads=4,
+            head_size=64,
+            scale=0.125,
+            num_kv_heads=2,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+        )
+        | overrides
+    )
     with pytest.raises(ValueError, match=match):
         LeanAttentionImpl(**args)
 
@@ -304,7 +396,9 @@ def test_cpu_cache_write_saturates_fp8_and_skips_padding(fp8):
     key_cache = torch.zeros(2, 16, 1, 8, dtype=fp8)
     value_cache = torch.zeros(2, 16, 1, 8, dtype=fp8)
     key = torch.tensor([1.0, -1e6, 1e6, 0.5]).repeat(3, 1, 2)  # (3 tokens, 1 head, 8)
-    write_kv_cache(key, key * 2, key_cache, value_cache, torch.tensor([17, -1, 3]), torch.tensor([0.5]), torch.tensor([4.0]))
+    write_kv_cache(
+        key, key * 2, key_cache, value_cache, torch.tensor([17, -1, 3]), torch.tensor([0.5]), torch.tensor([4.0])
+    )
     big = torch.finfo(fp8).max
     expected = torch.tensor([2.0, -big, big, 1.0]).repeat(2)
     torch.testing.assert_close(key_cache[1, 1, 0].float(), expected)
@@ -334,8 +428,12 @@ def test_cpu_metadata_keeps_the_pages_in_use(vllm_config):
     wide = torch.zeros(common.block_table_tensor.shape[0], 512, dtype=torch.int32)
     wide[:, : common.block_table_tensor.shape[1]] = common.block_table_tensor
     common.block_table_tensor = wide
-    builder = LeanAttentionMetadataBuilder(FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32),
-                                           ["layer.0"], vllm_config, torch.device("cpu"))  # fmt: skip
+    builder = LeanAttentionMetadataBuilder(
+        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32),
+        ["layer.0"],
+        vllm_config,
+        torch.device("cpu"),
+    )
     case.metadata = builder.build(0, common)
     assert case.metadata.block_table.shape == (2, 3)  # 41 keys: 3 pages of 16
     check(forward(case), case.ref, torch.float32)
@@ -349,18 +447,25 @@ def _decode_sub_batch(vllm_config, case, rows, spec):
     starts = torch.arange(n + 1, dtype=torch.int32)
     seq_lens = c.seq_lens[rows]
     common = CommonAttentionMetadata(
-        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=seq_lens, num_reqs=n,
-        num_actual_tokens=n, max_query_len=1, max_seq_len=int(seq_lens.max()),
-        block_table_tensor=c.block_table_tensor[rows], slot_mapping=c.slot_mapping[rows],
+        query_start_loc=starts,
+        query_start_loc_cpu=starts.clone(),
+        seq_lens=seq_lens,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=c.block_table_tensor[rows],
+        slot_mapping=c.slot_mapping[rows],
         seq_lens_cpu_upper_bound=seq_lens.clone(),
-    )  # fmt: skip
+    )
     builder = LeanAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
     return builder.build(0, common)
 
 
 @pytest.mark.parametrize("op_backend", ["auto", "triton"])
-def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(vllm_config, lean_calls, monkeypatch,
-                                                                         op_backend):  # fmt: skip
+def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(
+    vllm_config, lean_calls, monkeypatch, op_backend
+):
     """VLLM_BATCH_INVARIANT=1: vLLM accepts the backend, and a decode request's output rows are
     bitwise the same alone and inside batches of other decodes (on CPU's torch path and on the
     Triton kernel in the interpreter)."""

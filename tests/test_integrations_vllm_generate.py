@@ -19,11 +19,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm import LLM, SamplingParams  # noqa: E402
-
 from vllm_generate import save_random_model  # noqa: E402
 
-from lean_tp.integrations.vllm import in_place_of  # noqa: E402
 from lean_tp.integrations.vllm import backend as lean_backend  # noqa: E402
+from lean_tp.integrations.vllm import in_place_of  # noqa: E402
 
 # Four prompts, one longer than the batch-token budget and the sliding window.
 PROMPTS = [[(7 * i + 3 * n) % 500 + 1 for n in range(length)] for i, length in enumerate((9, 23, 150, 40))]
@@ -44,17 +43,32 @@ def in_process(monkeypatch):
 def _attention_impls(worker) -> list[str]:
     """On a vLLM worker: each attention layer's impl class, query heads and KV heads."""
     model = worker.model_runner.model
-    return sorted({f"{type(m.impl).__name__}/{m.impl.num_heads}/{m.impl.num_kv_heads}" for m in model.modules()
-                   if hasattr(m, "impl")})  # fmt: skip
+    return sorted(
+        {
+            f"{type(m.impl).__name__}/{m.impl.num_heads}/{m.impl.num_kv_heads}"
+            for m in model.modules()
+            if hasattr(m, "impl")
+        }
+    )
 
 
-def _generate(model: str, lean: bool, dtype: str, tp: int = 1, impls: list | None = None,
-              max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+def _generate(
+    model: str, lean: bool, dtype: str, tp: int = 1, impls: list | None = None, max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
     """Greedy tokens of PROMPTS; ``impls`` receives every worker's ``_attention_impls``."""
     with in_place_of("CPU_ATTN") if lean else contextlib.nullcontext():
-        llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=512, enforce_eager=True,
-                  max_num_seqs=4, block_size=32, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20,
-                  tensor_parallel_size=tp)  # fmt: skip
+        llm = LLM(
+            model=model,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=512,
+            enforce_eager=True,
+            max_num_seqs=4,
+            block_size=32,
+            max_num_batched_tokens=64,
+            kv_cache_memory_bytes=32 << 20,
+            tensor_parallel_size=tp,
+        )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         if impls is not None:

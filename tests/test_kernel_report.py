@@ -1,4 +1,4 @@
-"""What the decode kernel compiles to for sm_80 and sm_90, read on CPU (``lean_tp.ops.kernel_report``).
+"""What the decode kernel compiles to for sm_80 and sm_90, read on CPU (``lean_tp.tools.kernel_report``).
 
 The interpreter accepts code the GPU compiler rejects (dot dims < 16, non-constexpr globals,
 ``break``), and it says nothing about registers or loads. These tests compile every kernel the
@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for
-from lean_tp.ops.kernel_report import FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+from lean_tp.tools.kernel_report import FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
@@ -38,7 +38,7 @@ def _run(args: list[str]) -> str:
 def stats() -> list[KernelStats]:
     """``kernel_report.sample_jobs``: every entry, and every feature and variant, in a third of the
     compiles of ``--variants``."""
-    rows = json.loads(_run(["-m", "lean_tp.ops.kernel_report", "--json", "--variants", "--sample"]))
+    rows = json.loads(_run(["-m", "lean_tp.tools.kernel_report", "--json", "--variants", "--sample"]))
     fields = {f.name for f in dataclasses.fields(KernelStats)}
     return [KernelStats(**{k: v for k, v in row.items() if k in fields}) for row in rows]
 
@@ -75,8 +75,9 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
     the next occupancy step (sm_80 D=128 paged: 12 words, to stay at 168 registers); more than a few
     words would mean the loop's live state does not fit."""
-    rows = [s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout
-            and not s.features]  # fmt: skip
+    rows = [
+        s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout and not s.features
+    ]
     assert rows
     for s in rows:
         assert s.loop_spills == 0 and s.spill_bytes <= 64, s
@@ -118,7 +119,7 @@ def test_register_caps_apply_on_the_triton_they_were_read_on(monkeypatch):
 def test_page_id_timing_reads_registers_through_the_loop():
     """A load read before the loop's end counts as read in its iteration; one only overwritten, or
     read after the back-edge (the next pass), does not; a 64-bit pair covers both registers."""
-    from lean_tp.ops.kernel_report import page_id_timing
+    from lean_tp.tools.kernel_report import page_id_timing
 
     def sass(*body):
         lines = [f"        /*{0x100 + 16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)]
@@ -140,13 +141,19 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
     ahead) and the key addresses, formed once for K and V (``DecodeConfig.share_kv_addresses``),
     stay a small part of the loop. Signed // and % for page and slot took sm_90 D=128 to 1.16x."""
     rows = {(s.arch, s.head_dim, s.layout): s for s in _report_rows(stats) if s.dtype == "fp16" and not s.features}
-    pairs = [(rows[(a, d, "paged16")].sass_per_iter, s.sass_per_iter) for (a, d, layout), s in rows.items()
-             if layout == "contiguous"]  # fmt: skip
+    pairs = [
+        (rows[(a, d, "paged16")].sass_per_iter, s.sass_per_iter)
+        for (a, d, layout), s in rows.items()
+        if layout == "contiguous"
+    ]
     assert len(pairs) == 6 and all(paged <= 1.15 * contiguous for paged, contiguous in pairs), pairs
     # Where a 64-key page holds whole blocks (block_n <= 64: D=128, D=256), one page id per block
     # (BLOCK_IN_PAGE) leaves no per-key lookup: 0.87-1.01x contiguous; looked up per key, 1.01-1.10x.
-    whole = [(rows[(a, d, "paged64")].sass_per_iter, s.sass_per_iter) for (a, d, layout), s in rows.items()
-             if layout == "contiguous" and s.block_n <= 64]  # fmt: skip
+    whole = [
+        (rows[(a, d, "paged64")].sass_per_iter, s.sass_per_iter)
+        for (a, d, layout), s in rows.items()
+        if layout == "contiguous" and s.block_n <= 64
+    ]
     assert len(whole) == 4 and all(paged <= 1.02 * contiguous for paged, contiguous in whole), whole
 
 
@@ -182,7 +189,7 @@ def test_docs_kernel_report_is_current(stats):
         pytest.skip(f"docs/kernel_report.md was generated with triton {recorded}, this is {triton.__version__}")
     rows = [line for line in to_markdown(_report_rows(stats)).splitlines() if line.startswith("|")]
     missing = [line for line in rows if line not in doc]
-    assert len(rows) >= 30 and not missing, f"regenerate: python -m lean_tp.ops.kernel_report; stale: {missing[:3]}"
+    assert len(rows) >= 30 and not missing, f"regenerate: python -m lean_tp.tools.kernel_report; stale: {missing[:3]}"
 
 
 SPECIALIZATION = """
@@ -191,10 +198,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel as fn
-from lean_tp.ops.decode_attention.launcher import alloc_workspace, launch_args
-from lean_tp.ops.decode_attention.tuning import config_for
+from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.launch_args import launch_args, plan_workspace
+from lean_tp.ops.decode_attention.plan import DecodePlan, Features, KernelVariant
 
-config = config_for("sm90", 128, torch.float16)
 binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
 keys = []
 for batch, hkv, programs, capacity, pages in [(1, 1, 1, 48, 3), (16, 8, 132, 64, 4), (17, 2, 264, 72, 9)]:
@@ -204,8 +211,12 @@ for batch, hkv, programs, capacity, pages in [(1, 1, 1, 48, 3), (16, 8, 132, 64,
     for paged, window in [(False, None), (True, None), (True, 8 + batch)]:
         cache = e(batch * pages, 16, hkv, 128) if paged else e(batch, capacity, hkv, 128).transpose(1, 2)
         table = e(batch, pages, dtype=torch.int32) if paged else None
-        args = launch_args(q, cache, cache, lens, None, table, torch.empty_like(q), e(batch, 1, 4 * hkv, dtype=torch.float32),
-                           alloc_workspace(programs, 16, 128, "meta"), lens, 0.1, programs, config, window=window, arch="sm90")
+        features = Features(window=window is not None)
+        variant = KernelVariant("sm90", torch.float16, 128, 4, 16 if paged else None, features)
+        plan = DecodePlan(batch, 4 * hkv, 128, torch.float16, torch.device("meta"), CacheLayout.of(cache, cache, table),
+                          features, window, variant, programs, programs)
+        args = launch_args(plan, q, cache, cache, lens, None, table, torch.empty_like(q),
+                           e(batch, 1, 4 * hkv, dtype=torch.float32), plan_workspace(plan, "meta"), lens, 0.1)
         keys.append([f"{paged}-{window is not None}", str(binder(**args)[1])])
 print(json.dumps(keys))
 """
@@ -221,16 +232,18 @@ def test_no_recompilation_for_batch_heads_grid_strides_or_window():
 
 def test_launch_args_must_name_every_kernel_parameter():
     from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-    from lean_tp.ops.decode_attention.launcher import check_launch_args
+    from lean_tp.ops.decode_attention.launch_args import check_launch_args
 
     args = {name: 0 for name in decode_attention_fwd_kernel.arg_names}
     assert check_launch_args(decode_attention_fwd_kernel, dict(args)) == args
     with pytest.raises(TypeError, match=r"missing \['stride_bt'\], unknown \['stride_table'\]"):
-        check_launch_args(decode_attention_fwd_kernel, {**{k: v for k, v in args.items() if k != "stride_bt"}, "stride_table": 0})
+        check_launch_args(
+            decode_attention_fwd_kernel, {**{k: v for k, v in args.items() if k != "stride_bt"}, "stride_table": 0}
+        )
 
 
 def test_programs_per_sm_follows_the_occupancy_rules():
-    from lean_tp.ops.decode_attention.launcher import SM_LIMITS, programs_per_sm
+    from lean_tp.ops.decode_attention.grid import SM_LIMITS, programs_per_sm
 
     h100 = SM_LIMITS["sm90"]
     # 156 registers round to 160 per thread: 3 warps per sub-partition, 12 per SM, three 4-warp programs.
@@ -245,7 +258,7 @@ def test_programs_per_sm_follows_the_occupancy_rules():
 
 
 def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
-    from lean_tp.ops.kernel_report import kv_loop_of_sass
+    from lean_tp.tools.kernel_report import kv_loop_of_sass
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -265,7 +278,7 @@ def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
 
 
 def test_merge_loop_is_the_innermost_loop_with_l2_coherent_loads():
-    from lean_tp.ops.kernel_report import merge_loop_of_sass
+    from lean_tp.tools.kernel_report import merge_loop_of_sass
 
     sass = """
         /*0000*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
@@ -298,59 +311,79 @@ def _constexprs(args: dict) -> dict:
     return {n: args[n] for n in names}
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("feature", list(FEATURES), ids=[f or "decode" for f in FEATURES])
-def test_grid_is_sized_from_the_variant_the_call_launches(arch, page_size, leftpad, feature):
-    """The kernel the launcher compiles to count programs per SM (``example_args`` of the call's
-    features and left padding) has every constexpr of the kernel the call launches, so its
-    registers and shared memory are the launched kernel's (a variant can cost more registers)."""
-    from lean_tp.ops.decode_attention.cache import CacheLayout
-    from lean_tp.ops.decode_attention.launcher import (
-        KernelFeatures,
-        alloc_workspace,
-        example_args,
-        features_of,
-        launch_args,
-    )
+def test_a_calls_plan_has_the_variant_the_report_compiles(page_size, leftpad, feature):
+    """``plan_decode`` of a call using a feature gives the ``Features`` the report compiles under
+    that name, and its launch arguments are the constexprs of ``example_args`` of its variant: the
+    kernel the grid is sized from (its registers, shared memory) is the one the call launches."""
+    from lean_tp.ops.decode_attention.grid import example_args
+    from lean_tp.ops.decode_attention.launch_args import launch_args, plan_workspace
+    from lean_tp.ops.decode_attention.launcher import plan_decode
 
-    want = KernelFeatures(**FEATURES[feature])
-    config = config_for(arch, 128, torch.float16)
+    want = dataclasses.replace(FEATURES[feature], leftpad=leftpad)
     batch, hkv, group = 3, 2, 4
-    e = lambda *shape, dtype=torch.float16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    q = e(batch, want.num_tokens, group * hkv, 128)
+    q = torch.randn(batch, want.num_tokens, group * hkv, 128).half()
     cache_dtype = want.fp8 or torch.float16
-    cache = e(batch, hkv, 96, 128, dtype=cache_dtype) if page_size is None else e(40, page_size, hkv, 128, dtype=cache_dtype)
-    v_cache = e(*cache.shape[:-1], 256, dtype=cache_dtype)[..., 128:] if want.kv_strides_differ else cache
-    lens = e(batch, dtype=torch.int32)
-    table = e(batch, 8, dtype=torch.int32) if page_size else None
-    softcap, window = (50.0 if want.softcap else None), (77 if want.window else None)
-    sinks, scale = e(group * hkv, dtype=torch.float32), e(hkv, dtype=torch.float32)
-    launched = launch_args(q, cache, v_cache, lens, lens if leftpad else None, table, torch.empty_like(q),
-                           e(*q.shape[:-1], dtype=torch.float32), alloc_workspace(264, 16, 128, "meta"), lens, 0.1, 264,
-                           config, scale if want.fp8 else None, scale if want.fp8 else None, softcap, window,
-                           sinks if want.sinks else None, arch=arch)  # fmt: skip
-    variant = features_of(q, CacheLayout.of(cache, v_cache, table), softcap, window, sinks if want.sinks else None)
-    sized = example_args(torch.float16, 128, group, page_size, leftpad, config, features=variant, arch=arch)
-    assert _constexprs(sized) == _constexprs(launched)
+    shape = (batch, hkv, 96, 128) if page_size is None else (40, page_size, hkv, 128)
+    cache = torch.randn(shape).to(cache_dtype)
+    v_cache = torch.randn(*shape[:-1], 256).to(cache_dtype)[..., 128:] if want.kv_strides_differ else cache
+    lens = torch.full((batch,), 5, dtype=torch.int32)
+    table = torch.zeros(batch, 8, dtype=torch.int32) if page_size else None
+    scale = torch.ones(hkv) if want.fp8 else None
+    call = dict(
+        cache_leftpad=lens if leftpad else None,
+        k_scale=scale,
+        v_scale=scale,
+        softcap=50.0 if want.softcap else None,
+        window=77 if want.window else None,
+        sinks=torch.zeros(group * hkv) if want.sinks else None,
+    )
+    plan = plan_decode(q, cache, v_cache, lens, table, batch_invariant=want.batch_invariant, **call)
+    assert plan.features == want and plan.kernel.features == want
+    launched = launch_args(
+        plan,
+        q,
+        cache,
+        v_cache,
+        lens,
+        call["cache_leftpad"],
+        table,
+        torch.empty_like(q),
+        torch.empty(q.shape[:-1]),
+        plan_workspace(plan, "cpu"),
+        lens,
+        0.1,
+        scale,
+        scale,
+        call["softcap"],
+        call["sinks"],
+    )
+    assert _constexprs(example_args(plan.kernel)) == _constexprs(launched)
 
 
-def test_grid_size_asks_for_the_calls_left_padding_and_features(monkeypatch):
+def test_plan_sizes_the_grid_for_the_calls_variant(monkeypatch):
+    """The grid is asked for the call's variant (left padding and features included, which can
+    cost registers), once per call."""
     from lean_tp.ops.decode_attention import launcher
 
     asked = []
-    monkeypatch.setattr(launcher, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launcher, "_programs_per_sm_on", lambda *a: asked.append(a) or 2)
-    features = launcher.KernelFeatures(num_tokens=4, window=True)
-    assert launcher.grid_size(torch.device("cuda", 0), torch.float16, 128, 4, 16, features, has_leftpad=True) == 264
-    assert asked == [(0, torch.float16, 128, 4, 16, features, True)]
+    monkeypatch.setattr(launcher, "grid_size", lambda device, variant: asked.append(variant) or 264)
+    q = torch.randn(2, 4, 8, 128).half()
+    cache = torch.randn(2, 2, 64, 128).half()
+    lens = torch.tensor([40, 64], dtype=torch.int32)
+    plan = launcher.plan_decode(q, cache, cache, lens, cache_leftpad=lens - 30, window=20)
+    assert asked == [plan.kernel] and plan.num_programs == 264
+    assert plan.kernel.features == launcher.Features(num_tokens=4, window=True, leftpad=True)
 
 
 def test_issue_share_and_bytes_in_flight_follow_their_definitions():
     """sm_90 D=128 fp16, 64 keys per iteration: 32 KB of K and V take 32768 / (3.0 TB/s / 132 SMs)
     = 1.44 us = 2530 cycles at 1.755 GHz; 632 SASS x 4 warps / 4 schedulers = 632 issue cycles."""
-    row = KernelStats("sm90", 128, "fp16", "paged16", 4, False, "", 64, 4, 168, 0, 71680, 3, 16, 16, 3, 1, 632, 0, 4, 222, 10)
+    row = KernelStats(
+        "sm90", 128, "fp16", "paged16", 4, False, "", 64, 4, 168, 0, 71680, 3, 16, 16, 3, 1, 632, 0, 4, 222, 10
+    )
     assert row.kv_tile_bytes == 32768
     assert row.issue_share == pytest.approx(632 / (32768 / (3.0e12 / 132) * 1.755e9))
     assert 0.24 < row.issue_share < 0.26

@@ -7,18 +7,30 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
-
 from example_utils import make_prompts
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from lean_tp.generate import decode_one, generate
 from lean_tp.model import CONFIGS, ModelArgs, build_model, rope_inv_freq
 from lean_tp.weights import init_random_weights, load_hf_checkpoint, read_hf_config
 
-SMALL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-             intermediate_size=256, max_position_embeddings=512)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 HF_MODELS = {
     "llama3-rope": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters=LLAMA3_ROPE)),
     "llama-tied": (LlamaForCausalLM, LlamaConfig(**SMALL, tie_word_embeddings=True)),
@@ -164,19 +176,32 @@ def _write_config(path, **changes):
 
 
 def test_read_hf_config_old_style_rope_and_sliding_window(tmp_path):
-    old = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 16}
-    args = read_hf_config(_write_config(tmp_path, rope_parameters=None, rope_theta=5e5, rope_scaling=old, sliding_window=128))
+    old = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    args = read_hf_config(
+        _write_config(tmp_path, rope_parameters=None, rope_theta=5e5, rope_scaling=old, sliding_window=128)
+    )
     assert args.rope_theta == 5e5 and args.rope_scaling.factor == 8.0
     assert args.max_seq_len == 128  # within the window, windowed attention is full attention
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"attention_bias": True}, "biases"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"attention_bias": True}, "biases"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary",
+        ),
+    ],
+)
 def test_read_hf_config_rejects_unsupported(tmp_path, changes, match):
     with pytest.raises(ValueError, match=match):
         read_hf_config(_write_config(tmp_path, **changes))

@@ -56,7 +56,9 @@ def test_table_has_one_line_per_shape_with_every_implementation(sample):
     assert len(body) == len(shapes) == 3
     for r in sample["rows"]:
         assert f"{r['time_us']:.1f}, {100 * r['fraction_of_copy']:.0f}%" in text
-    assert not re.search(r"\d\.\d\dx", text)  # a CPU dry run gets no speedups: interpreter and native times do not compare
+    assert not re.search(
+        r"\d\.\d\dx", text
+    )  # a CPU dry run gets no speedups: interpreter and native times do not compare
 
 
 def test_gpu_record_shows_lean_speedup(sample):
@@ -82,13 +84,21 @@ def test_docs_benchmarks_tables_are_current():
 
 def test_gpu_check_without_gpu_says_so_and_exits_2(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env | {"CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env | {"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_gpu_check_steps_see_the_checkout_without_an_install(tmp_path):
-    step = gpu_check.run("probe", [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], str(tmp_path), 60)
+    step = gpu_check.run(
+        "probe", [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], str(tmp_path), 60
+    )
     assert step["status"] == "PASS"
     assert str(ROOT) in (tmp_path / "probe.log").read_text().split(os.pathsep)[0]
 
@@ -115,4 +125,5 @@ def test_planned_steps_run_in_order_of_value():
     names = [name for name, _, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")]
     assert names[0] == "pytest tests/gpu" and names[1] == "bench_decode --quick"
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
-        f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")]
+        f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
+    ]

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN
-from lean_tp.simulate import (
+from lean_tp.tools.simulate import (
     GPUS,
     LINKS,
     MODEL_PRESETS,
@@ -26,7 +26,7 @@ from lean_tp.simulate import (
     table_rows,
     table_rows_parallel,
 )
-from lean_tp.simulate import simulate as _simulate
+from lean_tp.tools.simulate import simulate as _simulate
 
 H100 = GPUS["H100"]
 
@@ -115,8 +115,29 @@ def test_problem_validation():
 
 def test_cli_tp_preset_json_and_gantt(tmp_path, capsys):
     png, out_json = tmp_path / "gantt.png", tmp_path / "rows.json"
-    assert main(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "8", "--batch", "2", "--lens", "3000,900",
-                 "--programs-per-sm", "1", "--json", str(out_json), "--plot", str(png)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--gpu",
+                "H100",
+                "--model",
+                "llama-3-8b",
+                "--tp",
+                "8",
+                "--batch",
+                "2",
+                "--lens",
+                "3000,900",
+                "--programs-per-sm",
+                "1",
+                "--json",
+                str(out_json),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| H100 | B=2 Hq=4 Hkv=1 D=128" in out and "lean merge us" in out
     data = json.loads(out_json.read_text())
@@ -157,13 +178,36 @@ def test_cp_exchange_model_and_rows():
     assert rows[1]["attention_us"] == pytest.approx(100.0 + cp_merge_us(8, 8, 128, 8, 2, H100))
 
 
+def test_tp_table_merges_presets_of_one_rank_shape():
+    """``--tp-sweep``'s table: presets whose ranks have the same (Hq, Hkv, D) share a row, per GPU."""
+    from lean_tp.tools.simulate.tables import format_tp_table
+
+    base = dict(batch=1, context=4096, lean_us=2.5, lean_merge_us=1.1, lean_chain=12, lean_merge_kb=24.0)
+    base |= dict(
+        lean_programs=32, fa2_splits=32, fa2_us=2.7, fa2_merge_us=1.3, speedup_vs_fa2=1.08, speedup_vs_flex=None
+    )
+    shapes = {"llama-3-8b": "Hq=4 Hkv=1", "mixtral-8x7b": "Hq=4 Hkv=1", "llama-3-70b": "Hq=8 Hkv=1"}
+    rows = [
+        base | dict(model=m, gpu=g, problem=f"B=1 {shape} D=128 len 4096")
+        for m, shape in shapes.items()
+        for g in ("A100", "H100")
+    ]
+    lines = format_tp_table(rows).splitlines()[2:]
+    assert len(lines) == 4
+    assert lines[0] == (
+        "| A100 | llama-3-8b / mixtral-8x7b (Hq=4 Hkv=1 D=128) | 1 | 4096 | 2.5 | 1.10 | 12 | 24 | 32 | 32 | 2.7 | 1.30 "
+        "| 1.08x | n/a |"
+    )
+    assert lines[3].startswith("| H100 | llama-3-70b (Hq=8 Hkv=1 D=128) |")
+
+
 def test_cli_cp_sweep_json_table_and_plot(tmp_path, capsys, monkeypatch):
     """The sweep's wiring, with each rank problem's kernel time stubbed (the full sweep runs the
     schedule for 52 problems: docs/simulator/cp.md)."""
-    import lean_tp.simulate as sim
+    import lean_tp.tools.simulate.cli as sim_cli
 
     stub = lambda problems, gpus, *_: [{"gpu": g, "lean_us": p.kv_bytes / 3e6} for p in problems for g in gpus]  # noqa: E731
-    monkeypatch.setattr(sim, "table_rows_parallel", stub)
+    monkeypatch.setattr(sim_cli, "table_rows_parallel", stub)
     png, out_json = tmp_path / "cp.png", tmp_path / "cp.json"
     assert main(["--cp-sweep", "--gpu", "H100", "--json", str(out_json), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -178,7 +222,7 @@ def test_gantt_draws_every_methods_bars(tmp_path, monkeypatch):
     method's work per SM (FlashDecoding's panel was once empty: its bars were passed by position)."""
     import matplotlib.axes
 
-    import lean_tp.simulate as sim
+    from lean_tp.tools.simulate.plots import plot_gantt
 
     problem = Problem((3000, 900), 8, 2)
     result = simulate(problem)
@@ -190,7 +234,7 @@ def test_gantt_draws_every_methods_bars(tmp_path, monkeypatch):
     drawn = []
     real = matplotlib.axes.Axes.barh
     monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda ax, *a, **k: drawn.append(ax) or real(ax, *a, **k))
-    sim.plot_gantt(problem, H100, result, str(tmp_path / "gantt.png"))
+    plot_gantt(problem, H100, result, str(tmp_path / "gantt.png"))
     panels = list(dict.fromkeys(drawn))
     assert [drawn.count(ax) for ax in panels] == [len(result["lean"].bars), len(result["fa2"].bars)]
     assert "over the" in panels[0].get_title() and "SMs with work" in panels[1].get_title()

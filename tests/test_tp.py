@@ -26,13 +26,16 @@ from lean_tp.model import CONFIGS, build_model
 from lean_tp.weights import init_random_weights
 
 
-@pytest.mark.parametrize("hq,hkv,world,expect", [
-    (8, 2, 2, [(0, 4, 0, 1), (4, 4, 1, 1)]),
-    (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),  # KV heads replicated twice
-    (8, 2, 8, [(q, 1, q // 4, 1) for q in range(8)]),
-    (64, 8, 8, [(8 * r, 8, r, 1) for r in range(8)]),
-    (32, 1, 4, [(8 * r, 8, 0, 1) for r in range(4)]),  # MQA
-])
+@pytest.mark.parametrize(
+    "hq,hkv,world,expect",
+    [
+        (8, 2, 2, [(0, 4, 0, 1), (4, 4, 1, 1)]),
+        (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),  # KV heads replicated twice
+        (8, 2, 8, [(q, 1, q // 4, 1) for q in range(8)]),
+        (64, 8, 8, [(8 * r, 8, r, 1) for r in range(8)]),
+        (32, 1, 4, [(8 * r, 8, 0, 1) for r in range(4)]),  # MQA
+    ],
+)
 def test_plan_heads_examples(hq, hkv, world, expect):
     got = [plan_heads(hq, hkv, world, r) for r in range(world)]
     assert [(p.q_start, p.n_q, p.kv_start, p.n_kv) for p in got] == expect
@@ -91,7 +94,7 @@ def test_context_parallel_shards_on_meta(name, world, cp):
         assert attn.q_proj.weight.shape == (args.n_heads // tp * args.head_dim, args.dim)
         assert attn.n_kv_heads == max(args.n_kv_heads // tp, 1)
         assert mlp.down_proj.weight.shape == (args.dim, args.intermediate_size // world)
-        assert attn.cp == ContextShard(cp, rank // tp)
+        assert attn.shard == ContextShard(cp, rank // tp)
         model.setup_caches(1, 4096)
         slots = -(-4096 // (16 * cp)) * 16 + 1  # this rank's share of 4096 positions, plus the spare slot
         assert attn.kv_cache.k.shape == (1, attn.n_kv_heads, slots, args.head_dim)
@@ -115,8 +118,9 @@ def test_disagreement_names_the_setting_and_every_ranks_value(monkeypatch):
     ctx = dist_env.DistContext(0, 3, 0, torch.device("cpu"), None)
     ranks = [{"cp": 2, "gen": 8}, {"cp": 2, "gen": 8}, {"cp": 2, "gen": 9}]
     monkeypatch.setattr(dist_env, "gather_objects", lambda _ctx, _obj: ranks)
-    assert dist_env.disagreement(ctx, ranks[0]) == ("ranks were started with different settings: expected one gen, "
-                                                    "got 8 on rank 0, 8 on rank 1, 9 on rank 2")
+    assert dist_env.disagreement(ctx, ranks[0]) == (
+        "ranks were started with different settings: expected one gen, got 8 on rank 0, 8 on rank 1, 9 on rank 2"
+    )
     ranks[2]["gen"] = 8
     assert dist_env.disagreement(ctx, ranks[0]) is None
 
@@ -133,7 +137,9 @@ def test_sharded_random_weights_are_slices_of_the_full_ones():
             expect = part.tp_shards[name].take(full_params[name]) if name in part.tp_shards else full_params[name]
             assert torch.equal(param, expect), name
         kv = part.model.layers[0].self_attn.k_proj.weight
-        assert torch.equal(kv, full_params["model.layers.0.self_attn.k_proj.weight"][64 * (rank // 2): 64 * (rank // 2 + 1)])
+        assert torch.equal(
+            kv, full_params["model.layers.0.self_attn.k_proj.weight"][64 * (rank // 2) : 64 * (rank // 2 + 1)]
+        )
 
 
 def _traced_decode_step(rank: int, cp: int) -> str:
@@ -177,12 +183,15 @@ def test_context_parallel_step_graph_has_one_all_gather_per_layer():
     assert graph.count("all_reduce") == n_layers
 
 
-@pytest.mark.parametrize("env,match", [
-    ({"WORLD_SIZE": "2"}, "RANK: expected it set by torchrun"),
-    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}, r"RANK: expected an integer in \[0, 2\), got 2"),
-    ({"WORLD_SIZE": "two"}, "WORLD_SIZE: expected an integer, got 'two'"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE: expected >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"WORLD_SIZE": "2"}, "RANK: expected it set by torchrun"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}, r"RANK: expected an integer in \[0, 2\), got 2"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE: expected an integer, got 'two'"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE: expected >= 1, got 0"),
+    ],
+)
 def test_bad_torchrun_environment(monkeypatch, env, match):
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -208,6 +217,8 @@ def test_bad_device_and_timeout(monkeypatch):
 def test_describe_grid_follows_the_ops_backend_rule():
     model = build_model("tiny")
     init_random_weights(model, 0, "cpu", torch.float32)
+    assert describe_grid(model) == "no caches on cpu yet (setup_caches sizes the grid)"
+    model.setup_caches(2, 64)
     assert describe_grid(model) == "torch backend on cpu (no kernel grid)"  # "auto" on CPU
     model.set_attention("lean", "triton")  # the interpreter (tests set TRITON_INTERPRET=1)
     assert describe_grid(model) == "Triton interpreter on cpu: 4 programs"

@@ -19,6 +19,7 @@ the GQA group, and differ only in at most Tq - 1 slots at each end, which run on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,9 @@ import torch.distributed._functional_collectives as funcol
 from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import (
     MAX_QUERY_TOKENS,
-    check_inputs,
     check_flag,
+    check_inputs,
+    check_scalar_types,
     check_types,
     scale_tensor,
 )
@@ -37,8 +39,8 @@ from lean_tp.ops.merge_attention import merge_attention
 
 # Tokens per run dealt to one rank. Any block keeps the merge exact and every rank's keys
 # contiguous in its cache; 16 keeps the shares within 16 tokens of equal (noise at the lengths
-# where CP pays) and is the smallest page size the paged layouts take, so a paged per-rank cache
-# would hold whole pages.
+# where CP pays) and is the page size vLLM and FlashInfer allocate by default, so a paged per-rank
+# cache holds whole pages.
 CP_BLOCK = 16
 # torch 2.13 renamed the functional all-gather; torch 2.11 has only the old name.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -61,7 +63,9 @@ class ContextShard:
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.block < 1:
-            raise ValueError(f"ContextShard: expected size >= 1 and block >= 1, got size={self.size}, block={self.block}")
+            raise ValueError(
+                f"ContextShard: expected size >= 1 and block >= 1, got size={self.size}, block={self.block}"
+            )
         if not 0 <= self.rank < self.size:
             raise ValueError(f"ContextShard: expected rank in [0, {self.size}), got {self.rank}")
 
@@ -115,8 +119,16 @@ def _edge(q, k_cache, v_cache, start, row_lo, row_hi, attn_kwargs):
     table = rows.repeat_interleave(tq).to(torch.int32)[:, None]
     lo = (row_lo - start[:, None]).clamp(0, EDGE_SLOTS)
     hi = torch.maximum((row_hi - start[:, None]).clamp(0, EDGE_SLOTS), lo)
-    out, lse = decode_attention(q.flatten(0, 1), pages_k, pages_v, hi.flatten().to(torch.int32), block_table=table,
-                                cache_leftpad=lo.flatten().to(torch.int32), return_lse=True, **attn_kwargs)  # fmt: skip
+    out, lse = decode_attention(
+        q.flatten(0, 1),
+        pages_k,
+        pages_v,
+        hi.flatten().to(torch.int32),
+        block_table=table,
+        cache_leftpad=lo.flatten().to(torch.int32),
+        return_lse=True,
+        **attn_kwargs,
+    )
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
@@ -145,12 +157,21 @@ def local_partial(
     seqlens = c_hi.to(torch.int32)
     leftpad = c_lo.to(torch.int32) if window is not None else None  # without a window every range starts at 0
     if tq == 1:
-        return decode_attention(q, k_cache, v_cache, seqlens, cache_leftpad=leftpad, sinks=sinks, return_lse=True,
-                                **attn_kwargs)  # fmt: skip
+        return decode_attention(
+            q, k_cache, v_cache, seqlens, cache_leftpad=leftpad, sinks=sinks, return_lse=True, **attn_kwargs
+        )
     n_kv = k_cache.shape[1]
     folded_sinks = None if sinks is None else sinks.view(n_kv, 1, -1).expand(-1, tq, -1).reshape(-1)
-    out, lse = decode_attention(_fold(q, n_kv), k_cache, v_cache, seqlens, cache_leftpad=leftpad, sinks=folded_sinks,
-                                return_lse=True, **attn_kwargs)  # fmt: skip
+    out, lse = decode_attention(
+        _fold(q, n_kv),
+        k_cache,
+        v_cache,
+        seqlens,
+        cache_leftpad=leftpad,
+        sinks=folded_sinks,
+        return_lse=True,
+        **attn_kwargs,
+    )
     parts = [(_unfold(out, tq, n_kv), _unfold(lse[..., None], tq, n_kv)[..., 0])]
     parts.append(_edge(q, k_cache, v_cache, c_hi, first, last, attn_kwargs))  # the newest keys
     if window is not None:  # the oldest keys, which the later queries no longer see
@@ -158,7 +179,9 @@ def local_partial(
     return merge_attention(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
 
 
-def exchange_and_merge(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+def exchange_and_merge(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather every CP rank's (out, lse) in one collective (packed as float32, so the exchange
     adds no rounding) and merge them in rank order: the same result, bit for bit, on every rank."""
     if group is None or dist.get_world_size(group) == 1:
@@ -177,8 +200,10 @@ def check_shard(shard: object, group: dist.ProcessGroup | None) -> None:
         raise TypeError(f"shard: expected a ContextShard, got {type(shard).__name__}")
     size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     if (shard.size, shard.rank) != (size, rank):
-        raise ValueError(f"shard: expected ContextShard(size={size}, rank={rank}) (this rank in group), "
-                         f"got size={shard.size}, rank={shard.rank}")  # fmt: skip
+        raise ValueError(
+            f"shard: expected ContextShard(size={size}, rank={rank}) (this rank in group), "
+            f"got size={shard.size}, rank={shard.rank}"
+        )
 
 
 def context_parallel_attention(
@@ -215,13 +240,41 @@ def context_parallel_attention(
     """
     check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, sinks=sinks)
     check_flag("return_lse", return_lse)
+    check_scalar_types(softcap, window, softmax_scale)
     k_scale, v_scale = scale_tensor("k_scale", k_scale, q.device), scale_tensor("v_scale", v_scale, q.device)
     # Every rank checks the whole call, so a bad argument fails on all of them, not only where it is used.
     # cache_seqlens are global: the local calls check their own lengths against the local cache.
-    check_inputs(q, k_cache, v_cache, cache_seqlens, None, backend, None, k_scale, v_scale, softcap, window, sinks,
-                 softmax_scale, values=False)  # fmt: skip
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        None,
+        backend,
+        None,
+        k_scale,
+        v_scale,
+        softcap,
+        window,
+        sinks,
+        softmax_scale,
+        values=False,
+    )
     check_shard(shard, group)
     attn_kwargs = dict(softmax_scale=softmax_scale, backend=backend, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     out, lse = local_partial(q, k_cache, v_cache, cache_seqlens, shard, window=window, sinks=sinks, **attn_kwargs)
     out, lse = exchange_and_merge(out, lse, group)
     return (out, lse) if return_lse else out
+
+
+def context_parallel_decode(shard: ContextShard, group: dist.ProcessGroup | None) -> Callable:
+    """The model's decode attention under context parallelism (``lean_tp.model.AttendFn``), which
+    ``apply_tp`` installs on each attention layer: ``(q, cache, lengths, backend) -> out`` over
+    this rank's share of the layer's cache (its k, v and fp8 scales), merged over ``group``."""
+
+    def attend(q: torch.Tensor, cache, lengths: torch.Tensor, backend: str) -> torch.Tensor:
+        return context_parallel_attention(
+            q, cache.k, cache.v, lengths, shard, group, backend=backend, k_scale=cache.k_scale, v_scale=cache.v_scale
+        )
+
+    return attend

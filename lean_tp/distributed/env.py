@@ -120,10 +120,12 @@ def init_parallel_groups(ctx: DistContext, cp: int) -> ParallelGroups | None:
     tp, timeout = ctx.world_size // cp, timedelta(seconds=ctx.timeout_s)
     if cp == 1:
         return ParallelGroups(ctx.group, ctx.group, None)
-    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(c * tp, (c + 1) * tp)) for c in range(cp)],
-                                                    timeout=timeout)  # fmt: skip
-    cp_group, _ = dist.new_subgroups_by_enumeration([list(range(t, ctx.world_size, tp)) for t in range(tp)],
-                                                    timeout=timeout)  # fmt: skip
+    tp_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(c * tp, (c + 1) * tp)) for c in range(cp)], timeout=timeout
+    )
+    cp_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(t, ctx.world_size, tp)) for t in range(tp)], timeout=timeout
+    )
     return ParallelGroups(ctx.group, tp_group, cp_group)
 
 

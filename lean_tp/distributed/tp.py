@@ -17,20 +17,16 @@ with one all-gather per layer; the MLP is sharded over the whole world.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from lean_tp.distributed.cp import ContextShard
+from lean_tp.distributed.cp import ContextShard, context_parallel_decode
 from lean_tp.distributed.env import ParallelGroups
-from lean_tp.ops.decode_attention.checks import uses_triton
-from lean_tp.ops.decode_attention.launcher import KernelFeatures, grid_size
-
-if TYPE_CHECKING:  # lean_tp.model imports lean_tp.distributed.cp, so not at run time
-    from lean_tp.model import ModelArgs, Transformer
+from lean_tp.model import ModelArgs, Transformer
+from lean_tp.ops.decode_attention import plan_decode
 
 
 @dataclass(frozen=True)
@@ -81,8 +77,10 @@ def check_shardable(args: ModelArgs, world_size: int, cp: int = 1) -> None:
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
     if cp < 1 or world_size % cp:
-        raise ValueError(f"cannot shard the context: expected a cp size that divides world_size, got cp={cp}, "
-                         f"world_size={world_size}")  # fmt: skip
+        raise ValueError(
+            f"cannot shard the context: expected a cp size that divides world_size, got cp={cp}, "
+            f"world_size={world_size}"
+        )
     plan_heads(args.n_heads, args.n_kv_heads, world_size // cp, 0)
     if args.intermediate_size % world_size:
         raise ValueError(
@@ -152,26 +150,38 @@ def apply_tp(model: Transformer, rank: int, world_size: int, cp: int = 1, groups
             model.tp_shards[f"model.layers.{i}.{name}.weight"] = _shard_linear(linear, dim, start, stop)
         attn.n_heads, attn.n_kv_heads = plan.n_q, plan.n_kv
         if cp > 1:
-            attn.cp, attn.cp_group = ContextShard(cp, rank // tp), groups.cp
+            attn.shard = ContextShard(cp, rank // tp)
+            attn.attend = context_parallel_decode(attn.shard, groups.cp)
         if tp > 1:
             attn.o_proj.register_forward_hook(_all_reduce_output(groups.tp))
         mlp.down_proj.register_forward_hook(_all_reduce_output(groups.world))
 
 
 def describe_grid(model: Transformer) -> str:
-    """This rank's LeanAttention grid, sized by the launcher from its own device's SM count and the
-    kernel's occupancy (so ranks on different GPU models get different sizes)."""
+    """This rank's LeanAttention grid: the plan of one decode call on its cache (``plan_decode``),
+    sized from its own device's SM count and the kernel's occupancy (so ranks on different GPU
+    models get different sizes)."""
     attn, weight = model.attention_modules()[0], model.lm_head.weight
     device = weight.device
     if attn.impl != "lean":
         return f"{attn.impl} attention on {device} (no Lean grid)"
-    if not uses_triton(device, attn.head_dim, weight.dtype, attn.backend):
+    if attn.kv_cache is None:
+        return f"no caches on {device} yet (setup_caches sizes the grid)"
+    cache = attn.kv_cache
+    q = torch.empty(1, attn.n_heads, attn.head_dim, dtype=weight.dtype, device=device)
+    plan = plan_decode(
+        q,
+        cache.k[:1],
+        cache.v[:1],
+        torch.zeros(1, dtype=torch.int32, device=device),
+        backend=attn.backend,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    )
+    if plan.kernel is None:
         return f"torch backend on {device} (no kernel grid)"
-    fp8 = attn.kv_cache.k.dtype if attn.kv_cache is not None and attn.kv_cache.fp8 else None
-    programs = grid_size(device, weight.dtype, attn.head_dim, attn.n_heads // attn.n_kv_heads,
-                         features=KernelFeatures(fp8=fp8))  # fmt: skip
     if device.type != "cuda":
-        return f"Triton interpreter on {device}: {programs} programs"
+        return f"Triton interpreter on {device}: {plan.num_programs} programs"
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
-    return f"{props.name} on {device}, {sms} SMs: {programs} programs ({programs / sms:g} per SM)"
+    return f"{props.name} on {device}, {sms} SMs: {plan.num_programs} programs ({plan.num_programs / sms:g} per SM)"

@@ -9,7 +9,7 @@ on them (the kernel reads head counts from tensor shapes, never from the config,
 the global counts). Kernel injection is not used: it would replace the whole layer, attention
 included, and does not exist on CPU.
 
-On CPU, the pitfalls established in ../shared/BRIEF.md are handled here: ``LOCAL_SIZE`` is set from
+On CPU, DeepSpeed's pitfalls are handled here: ``LOCAL_SIZE`` is set from
 torchrun's ``LOCAL_WORLD_SIZE`` before DeepSpeed's shared-memory all-reduce starts (it segfaults
 without it), fp16 is rejected with a clear error, and the ``/dev/shm`` buffers that all-reduce
 leaves behind are removed at exit.
@@ -100,7 +100,9 @@ def init_inference(model: nn.Module, tp_size: int, **kwargs: Any):
     on_cpu = not torch.cuda.is_available()
     dtype = _model_dtype(model, kwargs)
     if on_cpu and dtype == torch.float16:
-        raise ValueError("dtype: expected torch.float32 or torch.bfloat16 on CPU (DeepSpeed rejects fp16 there), got torch.float16")
+        raise ValueError(
+            "dtype: expected torch.float32 or torch.bfloat16 on CPU (DeepSpeed rejects fp16 there), got torch.float16"
+        )
     if on_cpu:
         # Must precede DeepSpeed's first all-reduce, which sizes its shared memory from it.
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
@@ -115,5 +117,9 @@ def init_inference(model: nn.Module, tp_size: int, **kwargs: Any):
     quiet = os.environ.get("RANK", "0") != "0"
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         return deepspeed.init_inference(
-            model, tensor_parallel={"tp_size": tp_size}, replace_with_kernel_inject=False, injection_policy=policy, **kwargs
+            model,
+            tensor_parallel={"tp_size": tp_size},
+            replace_with_kernel_inject=False,
+            injection_policy=policy,
+            **kwargs,
         )

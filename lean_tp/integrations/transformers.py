@@ -24,7 +24,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lean_tp.ops.decode_attention import decode_attention, kernel_support
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS, call_features
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 
 NAME = "lean"
 logger = logging.getLogger("lean_tp")
@@ -80,8 +80,9 @@ def _features(query: torch.Tensor, kwargs: dict) -> dict:
     }
 
 
-def _unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-                 kwargs: dict) -> str | None:  # fmt: skip
+def _unsupported(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict
+) -> str | None:
     """Why this call cannot run on the decode op, or None. Reads only shapes, dtypes and arguments."""
     if query.shape[2] > MAX_QUERY_TOKENS:
         return PREFILL
@@ -95,14 +96,18 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.T
     if kwargs.get("position_bias") is not None:
         return "position_bias is not supported by the decode op"
     if query.is_cuda:  # "auto" runs the Triton kernel on CUDA: ask whether it takes this call
-        f = _features(query, kwargs)
-        names = call_features(query.transpose(1, 2), key, f["softcap"], f["window"], f["sinks"])
-        return kernel_support(query.device, query.shape[-1], query.dtype, names)
+        return kernel_support(query.device, query.shape[-1], query.dtype)
     return None
 
 
-def mask_bounds(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_length: int, window: int | None,
-                device: torch.device):  # fmt: skip
+def mask_bounds(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_length: int,
+    window: int | None,
+    device: torch.device,
+):
     """(cache_leftpad, cache_seqlens, matches) from a (B, 1, q_len, kv_length) bool mask, all (B,).
 
     leftpad is the first row's first attended position, seqlens the last row's last one + 1;
@@ -131,7 +136,9 @@ def _decode_bounds(attention_mask: torch.Tensor | None, query: torch.Tensor, kv_
     if attention_mask is None or torch.compiler.is_compiling():
         leftpad, seqlens, matches = mask_bounds(attention_mask, batch, q_len, kv_length, window, query.device)
         if attention_mask is not None:
-            torch._assert_async(matches.all(), "lean attention: the mask is not one the decode op implies (right padding?)")
+            torch._assert_async(
+                matches.all(), "lean attention: the mask is not one the decode op implies (right padding?)"
+            )
         return leftpad, seqlens
     per_window = _mask_bounds.setdefault(attention_mask, {})
     if window not in per_window:
@@ -159,9 +166,14 @@ def lean_attention_forward(
         if bounds is not None:
             leftpad, seqlens = bounds
             out = decode_attention(
-                query.transpose(1, 2), key, value, seqlens, cache_leftpad=leftpad,
-                softmax_scale=scaling if scaling is not None else query.shape[-1] ** -0.5, **features,
-            )  # fmt: skip
+                query.transpose(1, 2),
+                key,
+                value,
+                seqlens,
+                cache_leftpad=leftpad,
+                softmax_scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                **features,
+            )
             return out, None
         reason = "a mask the decode op does not imply (right padding, or a custom mask)"
     _log_once(reason)

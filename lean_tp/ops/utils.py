@@ -3,8 +3,17 @@ flash-linear-attention): nothing here knows about one op."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import torch
+
+# The floating dtypes the ops compute in (q, out); caches may also be fp8.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def require_tensor(name: str, x: object) -> None:
+    """``TypeError`` naming the argument unless ``x`` is a tensor (before the dispatcher rejects
+    it with a RuntimeError)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
 
 
 def interpreted(kernel: object) -> bool:
@@ -16,28 +25,6 @@ def interpreted(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
-
-
-def map_in_processes(fn: Callable[..., Any], jobs: Sequence[tuple], desc: str, unit: str,
-                     workers: int | None = None, progress: bool = True) -> list[Any]:
-    """``[fn(*job) for job in jobs]``, one process per core, with a progress bar as jobs finish.
-
-    For CPU-bound single-threaded work (Triton compiles, interpreted kernels). Workers are spawned,
-    so they import afresh and inherit the environment as it is at the call (``TRITON_INTERPRET``).
-    """
-    import concurrent.futures
-    import multiprocessing
-    import os
-
-    from lean_tp.cli import progress as progress_bar
-
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx) as pool:
-        futures = [pool.submit(fn, *job) for job in jobs]
-        for _ in progress_bar(concurrent.futures.as_completed(futures), total=len(futures), desc=desc, unit=unit,
-                              disable=not progress):  # fmt: skip
-            pass
-        return [f.result() for f in futures]
 
 
 def major_minor(version: str) -> tuple[int, int]:

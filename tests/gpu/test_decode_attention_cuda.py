@@ -9,7 +9,8 @@ import torch
 from helpers import LAYOUTS, assert_matches_ref, make_inputs
 
 import lean_tp
-from lean_tp.ops.decode_attention.launcher import counters_size, decode_attention_fwd, grid_size
+from lean_tp.ops.decode_attention.launch_args import counters_size
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.tuning import get_config
 
 if not torch.cuda.is_available():  # one skip line for the module, not one per case
@@ -50,7 +51,8 @@ def test_decode_attention_cuda_forced_grids(num_programs):
 
 def test_grid_is_sm_count_times_occupancy():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = grid_size(torch.device("cuda"), torch.float16, 128, 4)
+    inputs = make_inputs([100], 32, 8, 128, torch.float16, "paged16", device="cuda", seed=0)
+    grid = plan_decode(**inputs).num_programs
     assert grid % sms == 0 and grid >= sms
 
 

@@ -4,6 +4,8 @@ softcap, sinks, padded head dims, alone and together, and CUDA-graph replay with
 Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them on a GPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
@@ -47,9 +49,23 @@ def test_feature_cuda(dtype, feature, head_dim, layout):
 
 
 def test_graph_replay_with_every_feature():
-    inputs = _cuda(make_feature_inputs([4000, 300, 0, 1], 16, 4, 128, torch.bfloat16, "contiguous", tq=4,
-                                       cache_dtype=torch.float8_e4m3fn, softcap=10.0, window=700, sinks=True,
-                                       per_head_scale=True, seed=1))  # fmt: skip
+    inputs = _cuda(
+        make_feature_inputs(
+            [4000, 300, 0, 1],
+            16,
+            4,
+            128,
+            torch.bfloat16,
+            "contiguous",
+            tq=4,
+            cache_dtype=torch.float8_e4m3fn,
+            softcap=10.0,
+            window=700,
+            sinks=True,
+            per_head_scale=True,
+            seed=1,
+        )
+    )
     inputs["k_cache"] = torch.cat([inputs["k_cache"].float()] * 2, 2).to(torch.float8_e4m3fn)  # room to grow
     inputs["v_cache"] = torch.cat([inputs["v_cache"].float()] * 2, 2).to(torch.float8_e4m3fn)
     lean_tp.decode_attention(**inputs)
@@ -61,14 +77,30 @@ def test_graph_replay_with_every_feature():
         inputs["cache_seqlens"].copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        ref_out, _ = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        ref_out, _ = decode_attention_ref(
+            **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        )
         torch.testing.assert_close(out.cpu().double(), ref_out, atol=ATOL[torch.bfloat16], rtol=0)
 
 
 def test_compile_fullgraph_with_every_feature_cuda():
     """Inductor sees the Triton kernel with every feature on, and new lengths do not recompile."""
-    inputs = _cuda(make_feature_inputs([3000, 0, 33], 16, 4, 128, torch.bfloat16, "paged16", tq=2,
-                                       cache_dtype=torch.float8_e5m2, softcap=10.0, window=256, sinks=True, seed=5))  # fmt: skip
+    inputs = _cuda(
+        make_feature_inputs(
+            [3000, 0, 33],
+            16,
+            4,
+            128,
+            torch.bfloat16,
+            "paged16",
+            tq=2,
+            cache_dtype=torch.float8_e5m2,
+            softcap=10.0,
+            window=256,
+            sinks=True,
+            seed=5,
+        )
+    )
 
     def step(**kw):
         return lean_tp.decode_attention(**kw) * 2
@@ -85,27 +117,65 @@ def test_fp8_e4m3_as_bytes_compiled_matches_the_native_conversion():
     bitwise the result of the native fp8 conversion; the CPU test runs both in the interpreter,
     which does not run the staging of the compiled kernel (``attend._opaque``)."""
     from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-    from lean_tp.ops.decode_attention.launcher import alloc_workspace, counters_size, launch_args
-    from lean_tp.ops.decode_attention.tuning import get_config
+    from lean_tp.ops.decode_attention.launch_args import counters_size, launch_args, plan_workspace
+    from lean_tp.ops.decode_attention.launcher import plan_decode
 
-    inputs = _cuda(make_feature_inputs(LENS, 16, 4, 128, torch.float16, "paged16", tq=2,
-                                       cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=3))  # fmt: skip
-    spread = inputs["k_cache"].float() * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1], device="cuda")[None, :, None, None]
+    inputs = _cuda(
+        make_feature_inputs(
+            LENS,
+            16,
+            4,
+            128,
+            torch.float16,
+            "paged16",
+            tq=2,
+            cache_dtype=torch.float8_e4m3fn,
+            per_head_scale=True,
+            seed=3,
+        )
+    )
+    spread = (
+        inputs["k_cache"].float()
+        * torch.logspace(-3, 1.5, inputs["k_cache"].shape[1], device="cuda")[None, :, None, None]
+    )
     inputs["k_cache"] = spread.clamp(-448, 448).to(torch.float8_e4m3fn)
-    config = get_config(inputs["q"].device, 128, torch.float16, torch.float8_e4m3fn)
-    scales = [torch.tensor([x], dtype=torch.float32, device="cuda") if isinstance(x, float) else x
-              for x in (inputs["k_scale"], inputs["v_scale"])]  # fmt: skip
+    scales = [
+        torch.tensor([x], dtype=torch.float32, device="cuda") if isinstance(x, float) else x
+        for x in (inputs["k_scale"], inputs["v_scale"])
+    ]
     results = []
-    for arch in ("sm80", None):
+    plan = plan_decode(
+        inputs["q"],
+        inputs["k_cache"],
+        inputs["v_cache"],
+        inputs["cache_seqlens"],
+        inputs["block_table"],
+        k_scale=scales[0],
+        v_scale=scales[1],
+        num_programs=64,
+    )
+    for arch in ("sm80", plan.kernel.arch):
+        arch_plan = dataclasses.replace(plan, kernel=dataclasses.replace(plan.kernel, arch=arch))
         out = torch.full_like(inputs["q"], float("nan"))
         lse = torch.full(inputs["q"].shape[:-1], float("nan"), device="cuda")
-        workspace = alloc_workspace(64, 16, 128, inputs["q"].device)
         counters = torch.zeros(counters_size(64), dtype=torch.int32, device="cuda")
-        args = launch_args(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], None,
-                           inputs["block_table"], out, lse, workspace, counters, 128**-0.5, 64, config,
-                           *scales, arch=arch)  # fmt: skip
+        args = launch_args(
+            arch_plan,
+            inputs["q"],
+            inputs["k_cache"],
+            inputs["v_cache"],
+            inputs["cache_seqlens"],
+            None,
+            inputs["block_table"],
+            out,
+            lse,
+            plan_workspace(plan, "cuda"),
+            counters,
+            128**-0.5,
+            *scales,
+        )
         assert args["E4M3_BITS"] == (arch == "sm80")
-        decode_attention_fwd_kernel[(64,)](**args)
+        decode_attention_fwd_kernel[(64,)](**args, **arch_plan.kernel.compile_options())
         results.append((out, lse))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     ref_out, _ = decode_attention_ref(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})

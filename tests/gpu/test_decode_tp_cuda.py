@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from example_utils import make_prompts
 
 from lean_tp.generate import decode_one, generate

@@ -25,10 +25,19 @@ def vllm_config():
 DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 3000)]
 
 
-@pytest.mark.parametrize("features", [dict(), dict(window=100, use_sinks=True), dict(softcap=20.0, kv_cache_dtype="fp8")])
+@pytest.mark.parametrize(
+    "features", [dict(), dict(window=100, use_sinks=True), dict(softcap=20.0, kv_cache_dtype="fp8")]
+)
 def test_mixed_batch_on_the_kernel_and_the_delegate(vllm_config, features):
-    case = make_case(vllm_config, DECODES + [(40, 70), (0, 300)], dtype=torch.bfloat16, heads=(32, 4),
-                     head_size=128, device="cuda", **features)  # fmt: skip
+    case = make_case(
+        vllm_config,
+        DECODES + [(40, 70), (0, 300)],
+        dtype=torch.bfloat16,
+        heads=(32, 4),
+        head_size=128,
+        device="cuda",
+        **features,
+    )
     assert case.impl.delegate is not None and case.metadata.prefill is not None
     check(forward(case), case.ref, torch.bfloat16)
 
@@ -43,7 +52,10 @@ def test_decode_batch_replays_from_a_cuda_graph(vllm_config):
     case.metadata.seq_lens.fill_(1)
     case.query.normal_()
     output = torch.full_like(case.query, float("nan"))
-    run = lambda: case.impl.forward(case.layer, case.query, case.k_new, case.v_new, case.kv_cache, case.metadata, output)  # noqa: E731
+
+    def run():
+        return case.impl.forward(case.layer, case.query, case.k_new, case.v_new, case.kv_cache, case.metadata, output)
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         run()  # compiles the kernel outside the capture

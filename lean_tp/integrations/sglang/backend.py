@@ -57,18 +57,24 @@ def cache_page_size(page_size: int) -> int:
 def runner_problem(model_runner) -> str | None:
     """Why the backend cannot serve a model runner, naming the setting; None if it can."""
     if model_runner.use_mla_backend:
-        return (f"model: expected multi-head or grouped-query attention for the {NAME} backend, got MLA "
-                "(use --attention-backend triton or flashinfer)")
+        return (
+            f"model: expected multi-head or grouped-query attention for the {NAME} backend, got MLA "
+            "(use --attention-backend triton or flashinfer)"
+        )
     if model_runner.model_config.is_encoder_decoder:
         return f"model: expected a decoder-only model for the {NAME} backend, got an encoder-decoder (cross attention)"
     pool = model_runner.token_to_kv_pool
     if type(pool) is not MHATokenToKVPool:
-        return (f"KV pool: expected SGLang's MHATokenToKVPool for the {NAME} backend, got {type(pool).__name__} "
-                "(hybrid sliding-window pools: pass --disable-hybrid-swa-memory)")
+        return (
+            f"KV pool: expected SGLang's MHATokenToKVPool for the {NAME} backend, got {type(pool).__name__} "
+            "(hybrid sliding-window pools: pass --disable-hybrid-swa-memory)"
+        )
     if pool.use_hnd:
         return f"SGLANG_USE_HND_KVCACHE: expected it off for the {NAME} backend (token-major pages), got on"
     if pool.is_quantized_kv_cache:
-        return f"kv_cache_dtype: expected auto or an fp8 type for the {NAME} backend, got a quantized (scaled-block) cache"
+        return (
+            f"kv_cache_dtype: expected auto or an fp8 type for the {NAME} backend, got a quantized (scaled-block) cache"
+        )
     translator = getattr(model_runner, "kv_index_translator", None)
     if translator is not None and translator.is_translating:
         return f"KV pool: expected physical slot ids for the {NAME} backend, got a unified (translated) pool"
@@ -79,14 +85,20 @@ def layer_problem(layer) -> str | None:
     """Why the backend cannot run a layer, naming the setting; None if it can."""
     if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
         got = getattr(layer.attn_type, "value", layer.attn_type)
-        return (f"attn_type: expected decoder self-attention for the {NAME} backend, got {got} "
-                f"(cross attention: {layer.is_cross_attention})")
+        return (
+            f"attn_type: expected decoder self-attention for the {NAME} backend, got {got} "
+            f"(cross attention: {layer.is_cross_attention})"
+        )
     if layer.qk_head_dim != layer.v_head_dim:
-        return (f"head_dim: expected equal q/k and v head dims for the {NAME} backend, got {layer.qk_head_dim} "
-                f"and {layer.v_head_dim}")
+        return (
+            f"head_dim: expected equal q/k and v head dims for the {NAME} backend, got {layer.qk_head_dim} "
+            f"and {layer.v_head_dim}"
+        )
     if not kernel_takes_head_dim(layer.qk_head_dim):
-        return (f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the {NAME} backend, "
-                f"got {layer.qk_head_dim}")
+        return (
+            f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the {NAME} backend, "
+            f"got {layer.qk_head_dim}"
+        )
     if layer.logit_cap > 0 and layer.logit_capping_method != "tanh":
         return f"logit_capping_method: expected 'tanh' for the {NAME} backend, got {layer.logit_capping_method!r}"
     return None
@@ -177,8 +189,10 @@ class LeanAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         device = self.req_to_token.device
-        self.graph = GraphBuffers(torch.zeros(max_bs, dtype=torch.int32, device=device),
-                                  torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device))
+        self.graph = GraphBuffers(
+            torch.zeros(max_bs, dtype=torch.int32, device=device),
+            torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),
+        )
         if self.on_gpu:  # the torch-native delegate keeps no graph state
             self.delegate.init_cuda_graph_state(max_bs, max_num_tokens)
 
@@ -227,12 +241,20 @@ class LeanAttnBackend(AttentionBackend):
         scale = lambda s: (s if s is not None else 1.0) if fp8 else None  # noqa: E731
         window = layer.sliding_window_size
         out = decode_attention(
-            q, k_cache.view(pool_shape), v_cache.view(pool_shape), meta.seq_lens, block_table=meta.block_table,
-            softmax_scale=layer.scaling, softcap=layer.logit_cap if layer.logit_cap > 0 else None,
+            q,
+            k_cache.view(pool_shape),
+            v_cache.view(pool_shape),
+            meta.seq_lens,
+            block_table=meta.block_table,
+            softmax_scale=layer.scaling,
+            softcap=layer.logit_cap if layer.logit_cap > 0 else None,
             # SGLang's window counts the keys before the query (k >= q - w): w + 1 keys with the query's own.
             window=window + 1 if window is not None and window > -1 else None,
-            sinks=None if sinks is None else sinks.float(), k_scale=scale(layer.k_scale_float),
-            v_scale=scale(layer.v_scale_float), backend=self.op_backend, batch_invariant=self.batch_invariant,
+            sinks=None if sinks is None else sinks.float(),
+            k_scale=scale(layer.k_scale_float),
+            v_scale=scale(layer.v_scale_float),
+            backend=self.op_backend,
+            batch_invariant=self.batch_invariant,
         )
         return out.view(-1, heads * dim)
 
@@ -246,8 +268,10 @@ class LeanAttnBackend(AttentionBackend):
             return self._run_lean(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         if sinks is not None:
             if not self.on_gpu:
-                raise ValueError(f"sinks: SGLang's torch-native prefill (the {NAME} backend's CPU delegate) has "
-                                 "no attention sinks; prefill with sinks runs on GPUs (Triton)")
+                raise ValueError(
+                    f"sinks: SGLang's torch-native prefill (the {NAME} backend's CPU delegate) has "
+                    "no attention sinks; prefill with sinks runs on GPUs (Triton)"
+                )
             kwargs["sinks"] = sinks
         return self.delegate.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 

@@ -111,8 +111,18 @@ class LeanAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
-    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-                             use_mm_prefix, device_capability) -> str | None:  # fmt: skip
+    def supports_combination(
+        cls,
+        head_size,
+        dtype,
+        kv_cache_dtype,
+        block_size,
+        use_mla,
+        has_sink,
+        use_sparse,
+        use_mm_prefix,
+        device_capability,
+    ) -> str | None:
         if kv_cache_dtype in FP8_CACHE_DTYPES and dtype not in (torch.float16, torch.bfloat16):
             return f"an fp8 KV cache needs a float16 or bfloat16 model, got {dtype}"
         return None
@@ -169,8 +179,9 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
             return 0, 1
         return num_decodes, query_len
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> LeanAttentionMetadata:  # fmt: skip
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> LeanAttentionMetadata:
         common = common_attn_metadata
         num_decodes, query_len = self._decode_split(common)
         metadata = LeanAttentionMetadata(
@@ -178,8 +189,9 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
             num_decodes=num_decodes,
             decode_query_len=query_len,
             seq_lens=common.seq_lens[:num_decodes],
-            block_table=_pages_in_use(common.block_table_tensor[:num_decodes], common.seq_lens[:num_decodes],
-                                      self.kv_cache_spec.block_size),  # fmt: skip
+            block_table=_pages_in_use(
+                common.block_table_tensor[:num_decodes], common.seq_lens[:num_decodes], self.kv_cache_spec.block_size
+            ),
             slot_mapping=common.slot_mapping,
         )
         num_decode_tokens = num_decodes * query_len
@@ -239,9 +251,18 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
             self.delegate = TritonAttentionImpl(
-                num_heads, head_size, scale, num_kv_heads, None, sliding_window, kv_cache_dtype,
-                logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
-            )  # fmt: skip
+                num_heads,
+                head_size,
+                scale,
+                num_kv_heads,
+                None,
+                sliding_window,
+                kv_cache_dtype,
+                logits_soft_cap,
+                attn_type,
+                kv_sharing_target_layer_name,
+                sinks,
+            )
         # What an fp8 cache holds is what its writer stores: vLLM's Triton cache write stores every
         # fp8 cache, "fp8_e5m2" included, in its platform's fp8 type (e4m3); cpu.py stores the named one.
         self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
@@ -267,11 +288,18 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()  # (Hq,): a small copy, same shape every step
         k_scale, v_scale = self._scales(layer)
-        return dict(softmax_scale=self.scale, softcap=self.softcap, window=self.window, sinks=sinks,
-                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        return dict(
+            softmax_scale=self.scale,
+            softcap=self.softcap,
+            window=self.window,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Write the batch's new K and V, (T, Hkv, D) each, at ``slot_mapping`` (T,) int64 (-1: padding)
         into ``kv_cache`` (num_blocks, Hkv, block_size, 2 * D)."""
         if self.delegate is not None:
@@ -279,9 +307,18 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             return
         cpu.write_kv_cache(key, value, *self._kv_views(kv_cache), slot_mapping, *self._scales(layer))
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: LeanAttentionMetadata | None, output: torch.Tensor, output_scale=None,
-                output_block_scale=None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: LeanAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> torch.Tensor:
         """Attention of the batch's query tokens into ``output``.
 
         Args:
@@ -292,7 +329,9 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             output: (T, Hq, D), written for every real token.
         """
         if output_scale is not None or output_block_scale is not None:
-            raise ValueError(f"output_scale: expected None (the {NAME} backend fuses no output quantization), got a scale")
+            raise ValueError(
+                f"output_scale: expected None (the {NAME} backend fuses no output quantization), got a scale"
+            )
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
         meta = attn_metadata
@@ -303,18 +342,35 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
             q = query[:split]
             if meta.decode_query_len > 1:
                 q = q.view(meta.num_decodes, meta.decode_query_len, *q.shape[1:])
-            out = decode_attention(q, key_cache, value_cache, meta.seq_lens, block_table=meta.block_table,
-                                   backend=self.op_backend, batch_invariant=self.batch_invariant, **features)  # fmt: skip
+            out = decode_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.seq_lens,
+                block_table=meta.block_table,
+                backend=self.op_backend,
+                batch_invariant=self.batch_invariant,
+                **features,
+            )
             output[:split].copy_(out.view(split, *out.shape[-2:]))
         if meta.prefill is None:
             return output
         if self.delegate is not None:
-            self.delegate.forward(layer, query[split:end], key[split:end], value[split:end], kv_cache, meta.prefill,
-                                  output[split:end])  # fmt: skip
+            self.delegate.forward(
+                layer, query[split:end], key[split:end], value[split:end], kv_cache, meta.prefill, output[split:end]
+            )
         else:
             p = meta.prefill
-            cpu.prefill_attention(query[split:end], key_cache, value_cache, output[split:end], p.query_start_loc,
-                                  p.seq_lens, p.block_table, **features)  # fmt: skip
+            cpu.prefill_attention(
+                query[split:end],
+                key_cache,
+                value_cache,
+                output[split:end],
+                p.query_start_loc,
+                p.seq_lens,
+                p.block_table,
+                **features,
+            )
         return output
 
 

@@ -75,8 +75,17 @@ def prefill_attention(
         if end == start:
             continue
         out, _ = decode_attention_torch(
-            query[None, start:end], key_cache, value_cache, seq_lens[i : i + 1], block_table[i : i + 1],
-            features["softmax_scale"], None, features["k_scale"], features["v_scale"],
-            features["softcap"], features["window"], features["sinks"],
-        )  # fmt: skip
+            query[None, start:end],
+            key_cache,
+            value_cache,
+            seq_lens[i : i + 1],
+            block_table[i : i + 1],
+            features["softmax_scale"],
+            None,
+            features["k_scale"],
+            features["v_scale"],
+            features["softcap"],
+            features["window"],
+            features["sinks"],
+        )
         output[start:end] = out[0]

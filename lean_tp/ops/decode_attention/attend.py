@@ -11,7 +11,7 @@ import os
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.merge import _ref_max
+from lean_tp.ops.decode_attention.merge import ref_max
 
 E4M3_BITS_SCALE = tl.constexpr(256.0)  # see _upcast
 # Read when the module is imported, as ``triton.jit`` reads it; compiled kernels never see the branch.
@@ -22,8 +22,9 @@ BF16_DOTS_IN_FP32 = INTERPRETED
 
 
 @triton.jit
-def _kv_index(bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-              BLOCK_IN_PAGE: tl.constexpr):
+def _kv_index(
+    bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr
+):
     """(row, position in row) of tokens o_n (n_first first) of sequence b: (b, token) or, when
     paged, (page, slot). BLOCK_IN_PAGE: the caller knows they lie in one page."""
     # One return: the two branches give different types (tensor vs scalar row); a constexpr if
@@ -43,7 +44,7 @@ def _kv_index(bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE
 
 
 @triton.jit
-def _load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load [rows, BLOCK_D] at pointers p, zero for masked rows and for the padding past HEAD_DIM."""
     if HEAD_DIM == BLOCK_D:  # no column mask: keeps the loads' vector width provable
         x = tl.load(p, mask=m_rows[:, None], other=0.0)
@@ -67,7 +68,7 @@ def _opaque(x):
 
 
 @triton.jit
-def _e4m3_words_to_f16(w):
+def e4m3_words_to_f16(w):
     """[R, C] int32, four float8_e4m3fn bytes per word (little-endian) -> [R, 4 C] fp16, each
     value x 2^-8 as ``_upcast`` makes it, two values per 32-bit operation: the odd bytes (each
     16-bit half's high byte) move right by 1, the even bytes left by 7 (8 for the sign). On sm_80
@@ -77,8 +78,9 @@ def _e4m3_words_to_f16(w):
     odd = (w & 0x80008000) | ((w >> 1) & 0x3F803F80)
     even = ((w << 8) & 0x80008000) | ((w << 7) & 0x3F803F80)
     # [R, C, a, c] holds byte 2a + c of word C: the bytes back in cache order.
-    x = tl.join(tl.join(even.to(tl.uint16), (even >> 16).to(tl.uint16)),
-                tl.join(odd.to(tl.uint16), (odd >> 16).to(tl.uint16)))  # fmt: skip
+    x = tl.join(
+        tl.join(even.to(tl.uint16), (even >> 16).to(tl.uint16)), tl.join(odd.to(tl.uint16), (odd >> 16).to(tl.uint16))
+    )
     return tl.reshape(x, (w.shape[0], 4 * w.shape[1])).to(tl.float16, bitcast=True)
 
 
@@ -89,9 +91,9 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     offsets and strides allow) or as uint8. A value's sign at an fp16's bit 15 and its 7 low bits
     at bits 7..13 is the fp16 of value x 2^-8 exactly, subnormals included (the caller multiplies
     the scales by E4M3_BITS_SCALE = 2^8): a byte gets there sign-extended, shifted left by 7, with
-    bit 14 cleared; words through ``_e4m3_words_to_f16``."""
+    bit 14 cleared; words through ``e4m3_words_to_f16``."""
     if E4M3_BITS and x.dtype == tl.int32:
-        x = _opaque(_e4m3_words_to_f16(x).to(dtype))
+        x = _opaque(e4m3_words_to_f16(x).to(dtype))
     elif x.dtype.primitive_bitwidth == 8:
         if E4M3_BITS:
             x = ((x.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16385).to(tl.float16, bitcast=True)
@@ -100,13 +102,39 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
 
 
 @triton.jit
-def _attend(
-    b_q, k_ptr, v_ptr, bt_ptr, b, h_kv, n_base, n_lo, n_hi, b_lo, b_hi, qk_scale, cap_log2,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr,
-):  # fmt: skip
+def attend_segment(
+    b_q,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    b,
+    h_kv,
+    n_base,
+    n_lo,
+    n_hi,
+    b_lo,
+    b_hi,
+    qk_scale,
+    cap_log2,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROW_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    E4M3_BITS: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr,
+):
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
     Key i sits at cache position n_base + i. With ROW_MASK (several query tokens) row g sees only
@@ -130,9 +158,17 @@ def _attend(
         # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
         # addresses too.
         o_row, o_pos = _kv_index(bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
-        p_k = k_ptr + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None] + o_d[None, :]
-        p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
-        b_k = _upcast(_load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        p_k = (
+            k_ptr
+            + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None]
+            + o_d[None, :]
+        )
+        p_v = (
+            v_ptr
+            + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None]
+            + o_d[None, :]
+        )
+        b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
             b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
@@ -142,18 +178,18 @@ def _attend(
             m_s = m_n[None, :]
         b_s = tl.where(m_s, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_ref = _ref_max(b_m_new, ROW_MASK)
+        b_m_ref = ref_max(b_m_new, ROW_MASK)
         b_alpha = tl.exp2(b_m - b_m_ref)
         b_p = tl.exp2(b_s - b_m_ref[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = _upcast(_load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
     return b_acc, b_m, b_l
 
 
 @triton.jit
-def _kv_scale(scale_ptr, h_kv, stride, HAS_SCALES: tl.constexpr, E4M3_BITS: tl.constexpr):
+def kv_scale(scale_ptr, h_kv, stride, HAS_SCALES: tl.constexpr, E4M3_BITS: tl.constexpr):
     """fp8 scale of KV head h_kv (stride 0: one for the tensor) in the units ``_upcast`` leaves
     values in; 1 without scales."""
     if HAS_SCALES:

@@ -13,6 +13,7 @@ tests) reads heads, page size, capacity and strides from here instead of derivin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,19 @@ class CacheLayout:
             dtype=k_cache.dtype,
             k_strides=tuple(k_cache.stride(d) for d in dims),
             v_strides=tuple(v_cache.stride(d) for d in dims),
+        )
+
+    def viewed_as(self, dtype: torch.dtype) -> CacheLayout:
+        """The layout of the caches viewed as ``dtype`` (``Tensor.view(dtype)``): strides in its
+        elements (the strides must be multiples of its size in bytes)."""
+        ratio = dtype.itemsize // self.dtype.itemsize
+        scale = lambda strides: tuple(x // ratio for x in strides)  # noqa: E731
+        return dataclasses.replace(
+            self,
+            head_dim=self.head_dim // ratio,
+            dtype=dtype,
+            k_strides=scale(self.k_strides),
+            v_strides=scale(self.v_strides),
         )
 
 

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 
 import torch
 
 from lean_tp.ops.decode_attention.cache import SHAPES, CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.tuning import get_config
-from lean_tp.ops.utils import interpreted
+from lean_tp.ops.utils import FLOAT_DTYPES, interpreted, require_tensor
 
 BACKENDS = ("auto", "triton", "torch")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = FLOAT_DTYPES
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
 # each K/V tile, so a bound keeps the row block within what one program holds.
@@ -27,9 +26,6 @@ MAX_QUERY_TOKENS = 16
 # The shortest page a cache passed without block_table is taken to be a paged pool by, for the
 # error's hint: the page size vLLM and FlashInfer allocate by default.
 HINT_PAGE_SIZE = 16
-# Call features (by argument name, see ``call_features``) the Triton kernel implements beyond
-# one-token decode; a feature missing here is refused on the Triton backend, never run slowly.
-KERNEL_FEATURES: frozenset[str] = frozenset({"q", "k_cache", "softcap", "window", "sinks"})
 
 
 def is_page_size(n: int) -> bool:
@@ -39,13 +35,8 @@ def is_page_size(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _require_tensor(name: str, x: object) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-
-
 def _check_tensor(name: str, x: object, ndim: int, layout: str) -> None:
-    _require_tensor(name, x)
+    require_tensor(name, x)
     assert isinstance(x, torch.Tensor)
     if x.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(x.shape)}")
@@ -62,7 +53,7 @@ def check_types(**tensors: object) -> None:
     """TypeError for a non-tensor argument, before the dispatcher rejects it with a RuntimeError."""
     for name, x in tensors.items():
         if x is not None or name not in ("block_table", "cache_leftpad", "sinks"):
-            _require_tensor(name, x)
+            require_tensor(name, x)
 
 
 def check_inputs(
@@ -81,14 +72,14 @@ def check_inputs(
     softmax_scale: float | None = None,
     *,
     values: bool = True,
-) -> None:
+) -> CacheLayout:
     """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call (fp8 scales
-    as the op sees them: (Hkv,) or (1,) float32 tensors). ``values``: with ``LEAN_TP_DEBUG=1``,
+    as the op sees them: (Hkv,) or (1,) float32 tensors); return the cache's layout. ``values``: with ``LEAN_TP_DEBUG=1``,
     also check lengths and page indices against this cache (False where the lengths are not this
     cache's, as context parallelism's global lengths)."""
     if not (isinstance(backend, str) and backend in BACKENDS):
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    _require_tensor("q", q)
+    require_tensor("q", q)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected 3 dims (B, Hq, D) or 4 dims (B, Tq, Hq, D), got shape {tuple(q.shape)}")
     if q.dtype not in DTYPES:
@@ -126,10 +117,12 @@ def check_inputs(
         _check_int32("cache_leftpad", cache_leftpad, q.device)
         if cache_leftpad.shape[0] != batch:
             raise ValueError(f"cache_leftpad: expected shape ({batch},), got {tuple(cache_leftpad.shape)}")
-    _check_features(k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks,
-                    softmax_scale)  # fmt: skip
+    _check_features(
+        k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks, softmax_scale
+    )
     if values and os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
         _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad)
+    return layout
 
 
 def _layout_hint(k_cache: torch.Tensor, batch: int, num_q_heads: int) -> str:
@@ -137,8 +130,10 @@ def _layout_hint(k_cache: torch.Tensor, batch: int, num_q_heads: int) -> str:
     most likely has, and how to pass it."""
     rows, dim1, dim2 = k_cache.shape[:3]
     if rows == batch and dim2 > 0 and num_q_heads % dim2 == 0:
-        return (f"; k_cache looks like (B, S_max, Hkv, D) (flash-attn's layout): pass k_cache.transpose(1, 2) "
-                "and v_cache.transpose(1, 2)")  # fmt: skip
+        return (
+            "; k_cache looks like (B, S_max, Hkv, D) (flash-attn's layout): pass k_cache.transpose(1, 2) "
+            "and v_cache.transpose(1, 2)"
+        )
     if dim1 >= HINT_PAGE_SIZE and is_page_size(dim1) and dim2 > 0 and num_q_heads % dim2 == 0:
         return "; k_cache looks like a paged pool (num_pages, page_size, Hkv, D): pass block_table with it"
     return ""
@@ -153,17 +148,29 @@ def _check_cache_dtype(name: str, dtype: torch.dtype, q_dtype: torch.dtype) -> N
 
 
 def _check_features(
-    cache_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, device: torch.device, k_scale: object,
-    v_scale: object, softcap: object, window: object, sinks: object, softmax_scale: object = None,
-) -> None:  # fmt: skip
+    cache_dtype: torch.dtype,
+    num_q_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+    k_scale: object,
+    v_scale: object,
+    softcap: object,
+    window: object,
+    sinks: object,
+    softmax_scale: object = None,
+) -> None:
     """fp8 scales (required with fp8 caches, refused otherwise), softcap, window, softmax_scale and sinks."""
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if cache_dtype not in FP8_DTYPES:
             if scale is not None:
-                raise ValueError(f"{name}: expected None for a {cache_dtype} cache (scales are for fp8 caches), got a scale")
+                raise ValueError(
+                    f"{name}: expected None for a {cache_dtype} cache (scales are for fp8 caches), got a scale"
+                )
             continue
         if scale is None:
-            raise ValueError(f"{name}: expected a float or a ({num_kv_heads},) float32 tensor with an fp8 cache, got None")
+            raise ValueError(
+                f"{name}: expected a float or a ({num_kv_heads},) float32 tensor with an fp8 cache, got None"
+            )
         _check_vector(name, scale, num_kv_heads, "Hkv", device, per_tensor=True)
     check_scalars(softcap, window, softmax_scale)
     if sinks is not None:
@@ -175,17 +182,25 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_scalar_types(softcap: object, window: object, softmax_scale: object) -> None:
+    """``TypeError`` for a softcap, window or softmax_scale of the wrong type, at the Python entry
+    point, before the dispatcher rejects it with a RuntimeError; the op checks their values."""
+    for name, x, kind in (("softcap", softcap, "a float"), ("softmax_scale", softmax_scale, "a float")):
+        if x is not None and not is_number(x):
+            raise TypeError(f"{name}: expected {kind} or None, got {type(x).__name__} {x!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise TypeError(f"window: expected an int or None, got {type(window).__name__} {window!r}")
+
+
 def check_scalars(softcap: object, window: object, softmax_scale: object = None) -> None:
-    """softcap, window and softmax_scale, also checked before the dispatcher, which would reject a
-    float window with a RuntimeError. A non-finite scale or cap would make every output NaN."""
-    if softcap is not None and not (is_number(softcap) and 0 < softcap < math.inf):
+    """softcap, window and softmax_scale values (their types are the wrapper's
+    ``check_scalar_types``, and the op schema's). A non-finite scale or cap would make every
+    output NaN."""
+    if softcap is not None and not 0 < softcap < math.inf:
         raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-    if softmax_scale is not None:
-        if not is_number(softmax_scale):
-            raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    if window is not None and window < 1:
         raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
 
 
@@ -198,12 +213,14 @@ def check_flag(name: str, value: object) -> None:
 
 def _check_vector(name: str, x: object, n: int, what: str, device: torch.device, per_tensor: bool = False) -> None:
     """A float32 (n,) tensor on ``device``; (1,) too when ``per_tensor`` (one value for all)."""
-    _require_tensor(name, x)
+    require_tensor(name, x)
     assert isinstance(x, torch.Tensor)
     if x.dtype != torch.float32:
         raise TypeError(f"{name}: expected dtype torch.float32, got {x.dtype}")
     if tuple(x.shape) != (n,) and not (per_tensor and tuple(x.shape) == (1,)):
-        raise ValueError(f"{name}: expected shape ({n},) ({what}){' or (1,)' if per_tensor else ''}, got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected shape ({n},) ({what}){' or (1,)' if per_tensor else ''}, got {tuple(x.shape)}"
+        )
     if x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {x.device}")
 
@@ -213,15 +230,10 @@ def scale_tensor(name: str, scale: object, device: torch.device) -> torch.Tensor
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
     if not (is_number(scale) and 0 < scale < float("inf")):
-        raise ValueError(f"{name}: expected a finite float > 0 or a float32 tensor of shape (Hkv,) or (1,), got {scale!r}")
+        raise ValueError(
+            f"{name}: expected a finite float > 0 or a float32 tensor of shape (Hkv,) or (1,), got {scale!r}"
+        )
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
-
-
-def call_features(q: torch.Tensor, k_cache: torch.Tensor, softcap, window, sinks) -> list[str]:
-    """The features a call uses beyond one-token 16/32-bit decode, by argument name."""
-    used = [("q", q.dim() == 4 and q.shape[1] > 1), ("k_cache", k_cache.dtype in FP8_DTYPES),
-            ("softcap", softcap is not None), ("window", window is not None), ("sinks", sinks is not None)]  # fmt: skip
-    return [name for name, on in used if on]
 
 
 def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -236,7 +248,10 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
 
 
 def _check_values(
-    layout: CacheLayout, num_rows: int, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+    layout: CacheLayout,
+    num_rows: int,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
 ) -> None:
     """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device."""
@@ -254,12 +269,15 @@ def _check_values(
         pages = block_table[used]
         bad = pages[(pages < 0) | (pages >= num_rows)]
         if bad.numel() != 0:
-            raise ValueError(f"block_table: expected page indices in [0, {num_rows}) for used pages, got {bad[:4].tolist()}")
+            raise ValueError(
+                f"block_table: expected page indices in [0, {num_rows}) for used pages, got {bad[:4].tolist()}"
+            )
 
 
-def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype, features: Sequence[str] = ()) -> str | None:
-    """Why the Triton kernel cannot take a call on ``device`` with this head_dim and dtype, or None.
-    ``features``: ``call_features`` of the call (multi-token q, fp8 cache, softcap, window, sinks).
+def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot take a call on ``device`` with this head_dim and (q's) dtype,
+    or None. The kernel implements every feature of the op (``plan.Features``), so only the
+    device, head dim and dtype decide.
 
     The one home of that rule: the op's dispatch, the transformers integration, the simulator and
     the tensor-parallel grid report all ask here.
@@ -269,12 +287,6 @@ def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype, feat
             f"backend: 'triton' on {device.type} tensors runs through the Triton interpreter; "
             "expected TRITON_INTERPRET=1 set before lean_tp is imported, got it unset"
         )
-    missing = [name for name in features if name not in KERNEL_FEATURES]
-    if missing:
-        return (
-            f"{missing[0]}: the Triton kernel does not take {', '.join(missing)} yet; expected backend='torch' "
-            f"for such calls, got the Triton backend on {device.type}"
-        )
     try:
         get_config(device, head_dim, dtype)
     except ValueError as exc:
@@ -282,12 +294,12 @@ def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype, feat
     return None
 
 
-def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str, features: Sequence[str] = ()) -> bool:
+def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str) -> bool:
     """Which implementation a call runs; raises ``ValueError`` when "triton" is asked for (or "auto"
     on CUDA) and the kernel cannot take the call."""
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return False
-    reason = kernel_support(device, head_dim, dtype, features)
+    reason = kernel_support(device, head_dim, dtype)
     if reason is not None:
         raise ValueError(reason)
     return True

@@ -1,16 +1,16 @@
 """The merge tree of a split output, inside the decode kernel (docs/design.md, "The merge tree"):
 each contributor publishes its partial to the workspace; the last arriver of a group merges the
 group's partials, and the last group merger merges the groups'. Partials are un-normalized
-(acc, m, l) in the log2 domain, as ``attend._attend`` leaves them."""
+(acc, m, l) in the log2 domain, as ``attend.attend_segment`` leaves them."""
 
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.schedule import _merge_group, _program_of_tile, _program_start
+from lean_tp.ops.decode_attention.schedule import merge_group_of, program_of_tile, program_start
 
 
 @triton.jit
-def _ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
+def ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
     """The running max to exponentiate against: m, or 0 for rows that have seen no key (m = -inf,
     possible only with MAY_BE_EMPTY), so that exp2(-inf - ref) = 0 instead of NaN."""
     if MAY_BE_EMPTY:
@@ -20,8 +20,7 @@ def _ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr,
-                   BLOCK_G: tl.constexpr):  # fmt: skip
+def store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
     """Write rows [0, n_rows) of one partial (b_acc [BLOCK_G, BLOCK_D], b_m and b_l [BLOCK_G]) to
     workspace slot o_slot (2 * program + 0 or 1; ``invariant.py`` lays out its own slots)."""
     o_g = tl.arange(0, BLOCK_G)
@@ -34,15 +33,19 @@ def _store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK
 
 
 @triton.jit
-def _load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows [0, n_rows) of workspace slot o_slot, as ``_store_partial`` wrote them (the empty state
+def load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows [0, n_rows) of workspace slot o_slot, as ``store_partial`` wrote them (the empty state
     past them). ``.cg``: other SMs wrote them."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < n_rows
     o_slot = tl.cast(o_slot, tl.int64)
-    acc = tl.load(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], mask=m_g[:, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    acc = tl.load(
+        ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :],
+        mask=m_g[:, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
     m = tl.load(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, mask=m_g, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, mask=m_g, other=0.0, cache_modifier=".cg")
     return acc, m, l
@@ -50,9 +53,19 @@ def _load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, 
 
 @triton.jit
 def _merge_partials(
-    ws_acc_ptr, ws_ml_ptr, first, n_members, stride, out_start, total, n_active, n_rows,
-    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, WAVE: tl.constexpr,
-):  # fmt: skip
+    ws_acc_ptr,
+    ws_ml_ptr,
+    first,
+    n_members,
+    stride,
+    out_start,
+    total,
+    n_active,
+    n_rows,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WAVE: tl.constexpr,
+):
     """Merge the partials of programs first, first + stride, ... (n_members of them) for the output
     that starts at tile out_start: (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]).
 
@@ -60,7 +73,7 @@ def _merge_partials(
     WAVE members are loaded at once, (m, l) and acc together, so each wave waits for L2 once;
     the fixed member order makes the result independent of arrival. Loads use
     ``.cg`` (L2, not the non-coherent L1): the partials were written by other SMs. Rows that no
-    member saw (m = -inf) exponentiate against 0, as in ``_attend``.
+    member saw (m = -inf) exponentiate against 0, as in ``attend_segment``.
     """
     o_w = tl.arange(0, WAVE)
     o_r = tl.arange(0, BLOCK_G)
@@ -70,7 +83,7 @@ def _merge_partials(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for i0 in range(0, n_members, WAVE):
         p = first + (i0 + o_w) * stride
-        o_slot = p * 2 + (_program_start(p, total, n_active) < out_start).to(tl.int32)  # < 2**31: grid-sized
+        o_slot = p * 2 + (program_start(p, total, n_active) < out_start).to(tl.int32)  # < 2**31: grid-sized
         m_wr = ((i0 + o_w) < n_members)[:, None] & (o_r < n_rows)[None, :]
         o_ml = (o_slot * 2)[:, None] * BLOCK_G + o_r[None, :]
         b_mp = tl.load(ws_ml_ptr + o_ml, mask=m_wr, other=float("-inf"), cache_modifier=".cg")
@@ -78,7 +91,7 @@ def _merge_partials(
         o_acc = ((o_slot * BLOCK_G)[:, None, None] + o_r[None, :, None]) * BLOCK_D + o_d[None, None, :]
         b_ap = tl.load(ws_acc_ptr + o_acc, mask=m_wr[:, :, None], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m_acc, tl.max(b_mp, 0))
-        m_ref = _ref_max(m_new, True)
+        m_ref = ref_max(m_new, True)
         b_w = tl.exp2(b_mp - m_ref[None, :])
         b_alpha = tl.exp2(m_acc - m_ref)
         l_acc = l_acc * b_alpha + tl.sum(b_w * b_lp, 0)
@@ -88,7 +101,7 @@ def _merge_partials(
 
 
 @triton.jit
-def _arrive(counter_ptr, n_members):
+def arrive(counter_ptr, n_members):
     """Count this program in at a merge (a group or an output) of n_members; True for the last
     arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay).
 
@@ -103,38 +116,55 @@ def _arrive(counter_ptr, n_members):
 
 
 @triton.jit
-def _finish_split(
-    ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, slot, out_start, n_tiles, total, n_active, num_programs, n_rows,
-    b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, FANIN: tl.constexpr, WAVE: tl.constexpr,
-):  # fmt: skip
+def finish_split(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    counter_ptr,
+    pid,
+    slot,
+    out_start,
+    n_tiles,
+    total,
+    n_active,
+    num_programs,
+    n_rows,
+    b_acc,
+    b_m,
+    b_l,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FANIN: tl.constexpr,
+    WAVE: tl.constexpr,
+):
     """Publish this program's partial of a split output and take its part in the merge tree; returns
     (whether this program merged the output, and the merged acc, m, l).
 
     Level 1: the last arriver of each group of FANIN consecutive contributors merges the group
-    (``schedule._merge_group``). With one group that is the output's merge; otherwise it writes the
+    (``schedule.merge_group_of``). With one group that is the output's merge; otherwise it writes the
     group's partial over its first member's slot, and the last group merger merges the groups'
     partials (from their first members' slots). Counters: a group's at 2 * (first member) + its
     slot, an output's second level at 2 * num_programs + 2 * (first contributor) + its slot.
     """
-    _store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+    store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
     tl.debug_barrier()
-    p_first = _program_of_tile(out_start, total, n_active)
-    n_contrib = _program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
-    g_first, g_size, n_groups = _merge_group(pid - p_first, n_contrib, FANIN)
+    p_first = program_of_tile(out_start, total, n_active)
+    n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+    g_first, g_size, n_groups = merge_group_of(pid - p_first, n_contrib, FANIN)
     first, members, stride = p_first + g_first, g_size, 1
-    o_counter = first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
-    go = _arrive(counter_ptr + o_counter, members)
+    o_counter = first * 2 + (program_start(first, total, n_active) < out_start).to(tl.int32)
+    go = arrive(counter_ptr + o_counter, members)
     is_last = go & (n_groups == 1)
     # One merge per level, in a loop: one copy of the merge in the code.
     while go:
-        b_acc, b_m, b_l = _merge_partials(ws_acc_ptr, ws_ml_ptr, first, members, stride, out_start, total, n_active,
-                                          n_rows, BLOCK_D, BLOCK_G, WAVE)  # fmt: skip
+        b_acc, b_m, b_l = _merge_partials(
+            ws_acc_ptr, ws_ml_ptr, first, members, stride, out_start, total, n_active, n_rows, BLOCK_D, BLOCK_G, WAVE
+        )
         go = (stride == 1) & (n_groups > 1)
         if go:
-            _store_partial(ws_acc_ptr, ws_ml_ptr, o_counter, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+            store_partial(ws_acc_ptr, ws_ml_ptr, o_counter, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
             tl.debug_barrier()
             first, members, stride = p_first, n_groups, FANIN
-            o_counter = 2 * num_programs + first * 2 + (_program_start(first, total, n_active) < out_start).to(tl.int32)
-            go = _arrive(counter_ptr + o_counter, members)
+            o_counter = 2 * num_programs + first * 2 + (program_start(first, total, n_active) < out_start).to(tl.int32)
+            go = arrive(counter_ptr + o_counter, members)
             is_last = go
     return is_last, b_acc, b_m, b_l

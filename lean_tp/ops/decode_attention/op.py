@@ -10,17 +10,9 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from lean_tp.ops.decode_attention.checks import (
-    call_features,
-    check_inputs,
-    check_flag,
-    check_scalars,
-    check_types,
-    scale_tensor,
-    uses_triton,
-)
+from lean_tp.ops.decode_attention.checks import check_flag, check_inputs, check_scalar_types, check_types, scale_tensor
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
 from lean_tp.ops.utils import interpreted
 
@@ -47,28 +39,92 @@ def decode_attention_op(
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered op; see ``decode_attention`` for the arguments (fp8 scales as float32 tensors).
-    Returns (out, lse)."""
-    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
-                 k_scale, v_scale, softcap, window, sinks, softmax_scale)  # fmt: skip
-    features = call_features(q, k_cache, softcap, window, sinks)
-    if uses_triton(q.device, q.shape[-1], q.dtype, backend, features):
-        if block_table is not None and block_table.stride(-1) != 1:
-            block_table = block_table.contiguous()
-        return decode_attention_fwd(
-            q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, softmax_scale,
-            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
-            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
-            batch_invariant=batch_invariant, launch=_launch,
-        )  # fmt: skip
-    return decode_attention_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, cache_leftpad,
-                                  k_scale, v_scale, softcap, window, sinks, batch_invariant)  # fmt: skip
+    Returns (out, lse). The call is checked and planned once (``plan_decode``); the backend the
+    plan names runs it."""
+    plan = plan_decode(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        cache_leftpad,
+        backend=backend,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softcap=softcap,
+        window=window,
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        batch_invariant=batch_invariant,
+    )
+    if plan.kernel is None:
+        return decode_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table,
+            softmax_scale,
+            cache_leftpad,
+            k_scale,
+            v_scale,
+            softcap,
+            window,
+            sinks,
+            batch_invariant,
+            plan=plan,
+        )
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    return decode_attention_fwd(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens.contiguous(),
+        block_table,
+        softmax_scale,
+        plan=plan,
+        cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softcap=softcap,
+        sinks=sinks,
+        launch=_launch,
+    )
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, softmax_scale, backend,
-      k_scale=None, v_scale=None, softcap=None, window=None, sinks=None, batch_invariant=False):  # fmt: skip
-    check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, backend, cache_leftpad,
-                 k_scale, v_scale, softcap, window, sinks, softmax_scale)  # fmt: skip
+def _(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    cache_leftpad,
+    softmax_scale,
+    backend,
+    k_scale=None,
+    v_scale=None,
+    softcap=None,
+    window=None,
+    sinks=None,
+    batch_invariant=False,
+):
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        backend,
+        cache_leftpad,
+        k_scale,
+        v_scale,
+        softcap,
+        window,
+        sinks,
+        softmax_scale,
+    )
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
@@ -127,9 +183,16 @@ def decode_attention(
         without D, the natural log of the softmax denominator (``-inf`` when a query sees no key
         and there are no sinks).
     """
-    check_types(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
-                cache_leftpad=cache_leftpad, sinks=sinks)
-    check_scalars(softcap, window, softmax_scale)
+    check_types(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        cache_leftpad=cache_leftpad,
+        sinks=sinks,
+    )
+    check_scalar_types(softcap, window, softmax_scale)
     check_flag("return_lse", return_lse)
     check_flag("batch_invariant", batch_invariant)
     if softmax_scale is None:
@@ -138,7 +201,19 @@ def decode_attention(
     if isinstance(softcap, int) and not isinstance(softcap, bool):
         softcap = float(softcap)
     out, lse = torch.ops.lean_tp.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, float(softmax_scale), backend,
-        k_scale, v_scale, softcap, window, sinks, batch_invariant,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        block_table,
+        cache_leftpad,
+        float(softmax_scale),
+        backend,
+        k_scale,
+        v_scale,
+        softcap,
+        window,
+        sinks,
+        batch_invariant,
+    )
     return (out, lse) if return_lse else out

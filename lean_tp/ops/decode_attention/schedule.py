@@ -19,12 +19,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _cdiv(a, b):
+def cdiv(a, b):
     return (a + b - 1) // b
 
 
 @triton.jit
-def _span(seq_len, max_span, LIMITED: tl.constexpr):
+def tiled_span(seq_len, max_span, LIMITED: tl.constexpr):
     """Keys of a sequence that are tiled: its last min(len, max_span). LIMITED=False (a constexpr:
     the kernel without a window) skips the minimum, which would otherwise cost registers."""
     if LIMITED:
@@ -37,15 +37,15 @@ def _span(seq_len, max_span, LIMITED: tl.constexpr):
 def _tile_counts(seqlens_ptr, b0, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Tiles of sequences b0 .. b0 + BLOCK_B - 1 ([BLOCK_B]; 0 past the batch): HU * cdiv(span, TILE_N)."""
     o_b = b0 + tl.arange(0, BLOCK_B)
-    return _cdiv(_span(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), max_span, True), TILE_N) * HU
+    return cdiv(tiled_span(tl.load(seqlens_ptr + o_b, mask=o_b < B, other=0), max_span, True), TILE_N) * HU
 
 
 @triton.jit
-def _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Inclusive cumulative tile counts of the first BLOCK_B sequences ([BLOCK_B]), the batch's
     total, and the most tiles of any one output (head unit).
 
-    The first block's counts are loaded once and kept in registers: ``_locate`` reuses them, so a
+    The first block's counts are loaded once and kept in registers: ``locate`` reuses them, so a
     decode batch (B <= BLOCK_B) reads the lengths once before its first K/V request.
     """
     counts = _tile_counts(seqlens_ptr, 0, B, HU, max_span, TILE_N, BLOCK_B)
@@ -60,7 +60,7 @@ def _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.
 
 
 @triton.jit
-def _num_active(total, unit_max, num_programs, num_sms, MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr):
+def num_active(total, unit_max, num_programs, num_sms, MIN_TILES: tl.constexpr, MAX_CONTRIB: tl.constexpr):
     """Active programs: the cost rule that weighs K/V reads against merges (docs/design.md).
 
     Every active program gets at least ``per`` tiles: MIN_TILES, and cdiv(unit_max - 1,
@@ -72,23 +72,23 @@ def _num_active(total, unit_max, num_programs, num_sms, MIN_TILES: tl.constexpr,
     possible load of the busiest one, since more would not finish sooner (SMs streaming together
     share the memory bandwidth) and would only add partials to merge. Never below 1.
     """
-    per = tl.maximum(_cdiv(unit_max - 1, MAX_CONTRIB - 1), MIN_TILES)
+    per = tl.maximum(cdiv(unit_max - 1, MAX_CONTRIB - 1), MIN_TILES)
     n_max = tl.minimum(num_programs, tl.maximum(total // per, 1))
-    fewest = _cdiv(total, tl.maximum(_cdiv(total, tl.minimum(n_max, num_sms)), 1))
+    fewest = cdiv(total, tl.maximum(cdiv(total, tl.minimum(n_max, num_sms)), 1))
     return tl.maximum(tl.where(n_max >= 2 * num_sms, n_max // num_sms * num_sms, fewest), 1)
 
 
 @triton.jit
-def _program_start(p, total, n_active):
-    """First tile of program p; ``_program_start(n_active, ...) == total``."""
+def program_start(p, total, n_active):
+    """First tile of program p; ``program_start(n_active, ...) == total``."""
     base = total // n_active
     rem = total % n_active
     return p * base + tl.minimum(p, rem)
 
 
 @triton.jit
-def _program_of_tile(t, total, n_active):
-    """The program whose range holds tile t (inverse of ``_program_start``)."""
+def program_of_tile(t, total, n_active):
+    """The program whose range holds tile t (inverse of ``program_start``)."""
     base = total // n_active
     rem = total % n_active
     big = rem * (base + 1)
@@ -96,21 +96,21 @@ def _program_of_tile(t, total, n_active):
 
 
 @triton.jit
-def _merge_group(i, n, FANIN: tl.constexpr):
+def merge_group_of(i, n, FANIN: tl.constexpr):
     """Merge tree of an output with n contributors, seen from its contributor i (0-based, program
     order): (index of the first member of i's group, members of the group, groups). Groups are
     FANIN consecutive contributors; with one group its merger is the output's merger."""
     first = i // FANIN * FANIN
-    return first, tl.minimum(n - first, FANIN), _cdiv(n, FANIN)
+    return first, tl.minimum(n - first, FANIN), cdiv(n, FANIN)
 
 
 @triton.jit
-def _locate(t, b_cum, seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def locate(t, b_cum, seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Place tile t < total: (sequence b, head unit, tile inside the head unit's range, b's length).
 
     b is the number of sequences whose inclusive cumulative tile count is <= t, which skips
     zero-length sequences; the exclusive cumulative count of b is the largest such count. b_cum is
-    ``_scan_batch``'s first block; only sequences past it are loaded again.
+    ``scan_batch``'s first block; only sequences past it are loaded again.
     """
     o_b = tl.arange(0, BLOCK_B)
     m_before = (b_cum <= t) & (o_b < B)
@@ -125,12 +125,12 @@ def _locate(t, b_cum, seqlens_ptr, B, HU, max_span, TILE_N: tl.constexpr, BLOCK_
         b_start = tl.maximum(b_start, tl.max(tl.where(m_before, b_cum_next, 0), axis=0))
         running = tl.max(b_cum_next, axis=0)
     seq_len = tl.load(seqlens_ptr + b, mask=b < B, other=0)
-    n_tiles = tl.maximum(_cdiv(_span(seq_len, max_span, True), TILE_N), 1)  # t >= total: an idle program
+    n_tiles = tl.maximum(cdiv(tiled_span(seq_len, max_span, True), TILE_N), 1)  # t >= total: an idle program
     return b, (t - b_start) // n_tiles, (t - b_start) % n_tiles, seq_len
 
 
 @triton.jit
-def _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, valid):
+def next_unit(b, hu, seq_len, seqlens_ptr, B, HU, valid):
     """The head unit after (b, hu) that owns tiles: (b, hu + 1), else the next non-empty sequence.
 
     Returns (b, hu, length of b). Only loads lengths when the walk leaves sequence b, and only
@@ -171,20 +171,20 @@ def lean_schedule_kernel(
     """Write out every program's segments, and its place in each output's merge tree, exactly as
     the attention kernel walks them."""
     pid = tl.program_id(0)
-    b_cum, total, unit_max = _scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    n_active = _num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
-    t0 = _program_start(pid, total, n_active)
-    t1 = tl.where(pid < n_active, _program_start(pid + 1, total, n_active), t0)
-    b, hu, tile, seq_len = _locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    b_cum, total, unit_max = scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    n_active = num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
+    t0 = program_start(pid, total, n_active)
+    t1 = tl.where(pid < n_active, program_start(pid + 1, total, n_active), t0)
+    b, hu, tile, seq_len = locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
     t = t0
     n = 0
     while t < t1:
-        n_tiles = _cdiv(_span(seq_len, max_span, True), TILE_N)
+        n_tiles = cdiv(tiled_span(seq_len, max_span, True), TILE_N)
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
-        p_first = _program_of_tile(out_start, total, n_active)
-        n_contrib = _program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
-        g_first, g_size, n_groups = _merge_group(pid - p_first, n_contrib, FANIN)
+        p_first = program_of_tile(out_start, total, n_active)
+        n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+        g_first, g_size, n_groups = merge_group_of(pid - p_first, n_contrib, FANIN)
         p_seg = seg_ptr + (pid * MAX_SEGS + n) * SEGMENT_FIELDS
         m_room = n < MAX_SEGS
         tl.store(p_seg + 0, b, mask=m_room)
@@ -199,6 +199,6 @@ def lean_schedule_kernel(
         tl.store(p_seg + 9, n_groups, mask=m_room)
         n += 1
         t = seg_end
-        b, hu, seq_len = _next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1)
+        b, hu, seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1)
         tile = 0
     tl.store(nseg_ptr + pid, tl.where(pid < n_active, n, -1))

@@ -1,7 +1,7 @@
 """Plain-torch decode attention: the CPU path users get, and a portable path on any device.
 
-The cache is read in chunks of ``CHUNK_TOKENS`` and the chunk partials are merged with the same
-operator the kernel uses, so memory stays bounded for long caches. Keys outside a sequence's valid
+The cache is read in chunks of ``CHUNK_TOKENS`` and the chunk partials are merged by the merge rule
+(``merge_attention.rule``), so memory stays bounded for long caches. Keys outside a sequence's valid
 range (``cache.valid_keys``) are masked in K's scores and zeroed in V, so whatever those slots
 hold (NaN in an uninitialised cache or page) never reaches the output. On accelerators and under
 ``torch.compile`` every shape is static: the whole capacity is processed with masks (no
@@ -16,25 +16,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from lean_tp.ops.decode_attention.cache import CacheLayout, valid_keys
+from lean_tp.ops.decode_attention.plan import DecodePlan
+from lean_tp.ops.merge_attention import merge_partials
 
 # Bounds the fp32 working set to B * Hq * CHUNK_TOKENS scores plus one upcast K/V chunk.
 CHUNK_TOKENS = 4096
-
-
-def merge_partials(
-    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge two softmax partials (m, l, acc): m, l (...,), acc (..., D); natural log domain.
-
-    m = -inf marks an empty partial; merging with it returns the other operand unchanged.
-    """
-    m_a, l_a, acc_a = a
-    m_b, l_b, acc_b = b
-    m = torch.maximum(m_a, m_b)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w_a = torch.exp(m_a - m_safe)
-    w_b = torch.exp(m_b - m_safe)
-    return m, l_a * w_a + l_b * w_b, acc_a * w_a[..., None] + acc_b * w_b[..., None]
 
 
 def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table, n_keys: int):
@@ -72,9 +58,13 @@ def decode_attention_torch(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    *,
+    plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention in plain torch; arguments as ``lean_tp.decode_attention`` (q (B, Hq, D) or
-    (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors. Returns (out, lse).
+    (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors; ``plan``: the
+    call's ``plan_decode``, whose cache layout is read (by default the layout is read here).
+    Returns (out, lse).
 
     The Tq tokens and the group's query heads of one KV head are one block of rows (token-major),
     as in the kernel, so each K/V chunk is read once for all of them. ``batch_invariant`` computes
@@ -86,22 +76,36 @@ def decode_attention_torch(
         paged = block_table is not None
         parts = [
             decode_attention_torch(
-                q[b : b + 1], k_cache if paged else k_cache[b : b + 1], v_cache if paged else v_cache[b : b + 1],
-                cache_seqlens[b : b + 1], block_table[b : b + 1] if paged else None, softmax_scale,
-                cache_leftpad[b : b + 1] if cache_leftpad is not None else None, k_scale, v_scale, softcap, window,
+                q[b : b + 1],
+                k_cache if paged else k_cache[b : b + 1],
+                v_cache if paged else v_cache[b : b + 1],
+                cache_seqlens[b : b + 1],
+                block_table[b : b + 1] if paged else None,
+                softmax_scale,
+                cache_leftpad[b : b + 1] if cache_leftpad is not None else None,
+                k_scale,
+                v_scale,
+                softcap,
+                window,
                 sinks,
-            )  # fmt: skip
+                plan=plan,
+            )
             for b in range(q.shape[0])
         ]
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     q4 = q if q.dim() == 4 else q[:, None]
     batch, num_tokens, num_q_heads, head_dim = q4.shape
-    layout = CacheLayout.of(k_cache, v_cache, block_table)
+    layout = plan.layout if plan is not None else CacheLayout.of(k_cache, v_cache, block_table)
     num_kv_heads = layout.num_kv_heads
     group = num_q_heads // num_kv_heads
     rows = num_tokens * group
-    q_g = q4.view(batch, num_tokens, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
-        batch, num_kv_heads, rows, head_dim).float() * softmax_scale  # fmt: skip
+    q_g = (
+        q4.view(batch, num_tokens, num_kv_heads, group, head_dim)
+        .transpose(1, 2)
+        .reshape(batch, num_kv_heads, rows, head_dim)
+        .float()
+        * softmax_scale
+    )
     start, end = valid_keys(cache_seqlens, cache_leftpad, layout.capacity)
     lo, hi = _row_bounds(start, end, num_tokens, group, window)
     # Keys any row of a sequence sees, (B, 1, 1, 1) each: V outside them is zeroed, since 0 * NaN is NaN.
@@ -128,7 +132,9 @@ def decode_attention_torch(
     m, l, acc = partial
     empty = l == 0
     out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
-    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l)))
+    lse = torch.where(
+        empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l))
+    )
     out = out.view(batch, num_kv_heads, num_tokens, group, head_dim).transpose(1, 2).reshape(q4.shape).to(q.dtype)
     lse = lse.view(batch, num_kv_heads, num_tokens, group).transpose(1, 2).reshape(q4.shape[:3])
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])

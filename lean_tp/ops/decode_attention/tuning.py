@@ -5,9 +5,10 @@ fp8, 2 for fp16/bf16, 4 for fp32; an fp8 cache always comes with a 16-bit q). ``
 Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
 nothing is timed and only correctness matters.
 
-None of the GPU values below has been swept on a GPU by this project yet: they start from the
-LeanAttention paper's findings (A100, fp16) and from register/shared-memory arithmetic. A sweep on
-a GPU replaces the reasons with measured ones (see docs/BENCHMARKS.md).
+The GPU values come from the LeanAttention paper's findings (A100, fp16), register and
+shared-memory arithmetic, and the compiled code read on CPU (``python -m
+lean_tp.tools.kernel_report``, docs/kernel_report.md); none is timed on a GPU
+(``benchmarks/bench_decode.py`` times them, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 from lean_tp.ops.utils import major_minor
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """Launch settings of ``decode_attention_fwd_kernel`` for one (arch, head_dim, cache element size)."""
 
@@ -65,13 +66,11 @@ class DecodeConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
         if self.tile_n % self.block_n:
-            raise ValueError(
-                f"DecodeConfig.tile_n: expected a multiple of block_n={self.block_n}, got {self.tile_n}"
-            )
+            raise ValueError(f"DecodeConfig.tile_n: expected a multiple of block_n={self.block_n}, got {self.tile_n}")
 
 
 # Least LeanTiles per active program. The paper shrank the grid to 2 tiles per program to bound
-# merges; the cost rule (schedule._num_active) now launches the fewest programs that reach the least
+# merges; the cost rule (schedule.num_active) now launches the fewest programs that reach the least
 # possible busiest-program load, which already avoids a merge that buys no time. With 2, the
 # simulator's model gives the tensor-parallel shape at 4k (B=1, one KV head, H100) 16 programs and
 # 3.4 us; with 1, 32 programs and 2.7 us (FlashDecoding: 2.7 us).
@@ -86,7 +85,7 @@ MIN_TILES_PER_PROGRAM = 1
 MERGE_FANIN = 8
 # Most programs that share one output: MERGE_FANIN ** 2 keeps the chain within 2 x MERGE_FANIN = 16
 # partials. The schedule's cost rule gives each program at least cdiv(T - 1, 63) of an output's T
-# tiles instead of splitting it further. In the simulator's model (lean_tp/simulate.py) 64 programs
+# tiles instead of splitting it further. In the simulator's model (``lean_tp.tools.simulate``) 64 programs
 # on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
 # so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
 MAX_CONTRIBUTORS = MERGE_FANIN**2
@@ -111,109 +110,349 @@ _PAPER_D64 = "LeanAttention paper: 256-token LeanTiles best for D=64 (fp16, A100
 _PAPER_D128 = "LeanAttention paper: 128-token LeanTiles best for D=128 (fp16, A100)"
 _D256 = "D=256 doubles bytes per token over D=128; halving the tile keeps bytes per tile equal"
 _STAGES = "; 3 stages: H100 has 228 KB smem/SM"
-# sm_80 with 2 stages compiles to one K/V buffer and cp.async.wait_group 0: no load overlaps compute
-# inside a program. 3 stages give 2 buffers (wait_group 2) and keep every kernel's programs/SM (2 for
-# D <= 128 on every layout and feature; kernel report: 72 KB smem a program, A100 164 KB/SM) but
-# D=64 contiguous's, which drops from 3 to 2: still 4 x 32 KB of K/V tiles per SM, 15x what
-# Little's law asks of an A100 SM (8 KB). Unmeasured on an A100.
-_STAGES80 = "; 3 stages: 2 K/V buffers at 2 programs/SM (kernel report), unmeasured"
-# Block sizes and caps below come from docs/kernel_report.md (compiled as launched, triton 3.7.1)
-# and its BLOCK_N = 128 trial (`python -m lean_tp.ops.kernel_report --set block_n=128`).
-_BN128 = ("; 128-key blocks: 3.8 SASS per key instead of 4.6 (paged16: 3.4 instead of 5.9) and 1.5x the K/V "
-          "bytes in flight per SM (3 programs x 32 KB blocks against 4 x 16 KB)")
+# On sm_80, 2 stages compile to one K/V buffer (cp.async.wait_group 0: no load overlaps compute
+# inside a program); 3 give 2 buffers and 2 programs/SM for D <= 128 on every layout and feature
+# (72 KB smem a program, A100 164 KB/SM). D=64 contiguous fits 2 programs instead of 3: 4 x 32 KB
+# of K/V tiles per SM, 15x what Little's law asks of an A100 SM (8 KB).
+_STAGES80 = "; 3 stages: 2 K/V buffers at 2 programs/SM (kernel report)"
+# 128-key blocks take fewer SASS instructions per key than 64-key ones (3.8 against 4.6; paged16
+# 3.4 against 5.9) and keep 1.5x the K/V bytes in flight per SM (3 programs x 32 KB blocks
+# against 4 x 16 KB): kernel report, ``--set block_n=128``.
+_BN128 = "; 128-key blocks: fewer SASS per key, more bytes in flight (kernel report)"
 _BN64 = "; 64-key blocks: 128 would need 137 KB smem (1 program/SM on H100, 249 registers on A100)"
-# Merge waves of 8192 elements: 4 partials per merge-loop iteration at D=128 (8 at D=64, 2 at D=256),
-# so a level of the merge tree takes 2 iterations instead of 8. Compiled as launched (kernel report, group
-# 4): sm_90 keeps 3 programs/SM for D <= 128 (paged16 D=128: 168 registers; 2 partials per iteration
-# happened to take it to 202). On sm_80 the paged16 kernels drop from 3 to 2 programs/SM (D=128:
-# 208 registers); 2 programs x 32 KB in flight still exceed what Little's law asks of an A100 SM
+# Merge waves of 8192 fp32 elements: 4 partials per merge-loop iteration at D=128 (8 at D=64, 2
+# at D=256), so a level of the merge tree takes 2 iterations instead of 8. sm_90 keeps 3
+# programs/SM for D <= 128. On sm_80 the paged16 kernels fit 2 programs/SM (D=128: 208
+# registers); 2 programs x 32 KB in flight still exceed what Little's law asks of an A100 SM
 # (1.5 TB/s / 108 x 0.6 us = 8 KB), and the simulator's TP shape (B=1, one KV head, 4k-256k)
-# merges 1.3-1.7 us faster than with one partial per iteration (lean_tp/simulate.py).
-_WAVE90 = "; merge: 8192-element waves, 3 programs/SM kept (kernel report)"
+# merges 1.3-1.7 us sooner than with one partial per iteration.
+_WAVE90 = "; merge: 8192-element waves, 3 programs/SM (kernel report)"
 _WAVE80 = "; merge: 8192-element waves, 2 programs/SM on paged16 (enough in flight; kernel report, simulator)"
-# One address per key for K and V: paged16 SASS per iteration at sm_90 D=128 632 -> 508 (1.15x
-# contiguous's 443), sm_80 D=128 610 -> 511, sm_90 D=256 377 -> 323 with 2 programs/SM instead
-# of 1 (154 -> 128 registers). At sm_90 D=64 it saved 16 of 453 and took 168 -> 205 registers
-# (3 -> 2 programs/SM), so that entry does not share.
-_NO_SHARE = "; paged V addresses formed apart from K's: sharing them cost a program/SM here (kernel report)"
+# One address per key for K and V (paged caches, V's strides equal to K's): paged16 SASS per
+# iteration at sm_90 D=128 508 against 632 when V's are formed apart, sm_80 D=128 511 against
+# 610, sm_90 D=256 323 against 377 with 2 programs/SM instead of 1. At sm_90 D=64 sharing saves
+# 16 of 453 but takes 205 registers instead of 168 (2 programs/SM instead of 3), so that entry
+# forms them apart.
+_NO_SHARE = "; paged V addresses formed apart from K's: sharing them costs a program/SM here (kernel report)"
 # fp8 tiles are half the bytes of 16-bit ones, so a loop iteration's fixed work (the softmax
 # update, the row reductions) is spread over half the bytes; twice the keys per block restore
-# bytes per iteration. Compiled as launched (paged16, fp16 q; kernel report): sm_90 D=64 (256
-# keys) issue share 0.37 -> 0.32, D=128 (128 keys) 0.36 -> 0.27, both 3 -> 2 programs/SM (128 KB
-# of K/V buffered against Little's 16 KB); D=256 (64 keys) 0.47 -> 0.33 and sm_80 D=256 0.57 ->
-# 0.47 (e4m3), 1 program/SM either way.
+# bytes per iteration. Issue share (paged16, fp16 q) with doubled blocks against 16-bit ones:
+# sm_90 D=64 0.32 against 0.37, D=128 0.27 against 0.36 (2 programs/SM instead of 3: 128 KB of
+# K/V buffered against Little's 16 KB), D=256 0.33 against 0.47; sm_80 D=256 0.47 against 0.57
+# (e4m3), 1 program/SM either way.
 _FP8_BLOCKS = "; fp8: twice the 16-bit entry's keys per block (issue share, kernel report)"
 # sm_80 D <= 128 with doubled blocks fit 1 program/SM (208-255 registers), not 2.
 _FP8_SM80 = "; fp8: 16-bit blocks kept (doubled ones fit 1 program/SM on A100)"
-# Page ids a stage ahead (paged_stages=5) on every 16-bit and fp8 entry: each block-table load
-# leaves the loop's critical path (copied to shared memory a stage before the K/V copies whose
-# addresses it forms; carried in registers, as before, each was read in its own iteration).
-# Compiled as launched (kernel report, paged16, with the page lookup's shift and mask), SASS per
-# iteration carried -> ahead: sm_90 D=128 472 -> 441, sm_80 D=128 444 -> 411, D=256 297 -> 289
-# (sm_90) and 298 -> 290 (sm_80); dearer at D=64: sm_90 429 -> 493, sm_80 437 -> 475, sm_90 fp8
-# 788 -> 838 (issue share 0.33), all still within 1.15x their contiguous loops or the 0.35 share.
+# Paged caches copy each block's page ids to shared memory a stage ahead of the K/V copies they
+# address (paged_stages=5), which takes the block-table load off the loop's critical path. SASS
+# per iteration, ahead against carried in registers: sm_90 D=128 441 against 472, sm_80 D=128 411
+# against 444, D=256 289 against 297 (sm_90) and 290 against 298 (sm_80). At D=64 ahead costs
+# more instructions (sm_90 493 against 429, sm_80 475 against 437, sm_90 fp8 838 against 788),
+# all within 1.15x their contiguous loops or an issue share of 0.35.
 _AHEAD = "; paged: page ids copied a stage ahead (5 stages; kernel report)"
 # Register caps, for blocks of at most 16 query rows (DecodeConfig.max_registers). Left to ptxas,
-# D=256 takes 174-178 registers at 8 warps with page ids ahead (1 program/SM); at 128 every
-# layout and feature keeps 2 programs/SM, none spilling in the K/V loop (sm_90 paged16: 121
-# registers, 293 SASS).
-# sm_90 D=128 paged64, tq4 and window took 222-254 registers (2 programs/SM); at 168 every layout
-# and feature fits 3 with at most 24 bytes of cold spills, none in the K/V loop. sm_90 D=64 keeps
-# ptxas's choice (192-255 registers, 2 programs/SM where carried page ids fit 3): under 168 its
-# paged loop spills.
-# The caps were read on triton 3.7.1. triton 3.6 (the oldest pin, and the GPU machine's) takes
-# 227-254 registers for the same kernels uncapped, and under the caps spills in the K/V loop
-# (D=256: 12-16 local loads/stores per iteration, every layout, both archs; sm_90 D=128 paged: 2-5),
-# so with it they are not applied: D=256 1 program/SM, sm_90 D=128 2, no spills.
+# D=256 takes 174-178 registers at 8 warps (1 program/SM); capped at 128 every layout and feature
+# keeps 2 programs/SM with no spill in the K/V loop (sm_90 paged16: 121 registers, 293 SASS).
+# Left to ptxas, sm_90 D=128 paged64, tq4 and window take 222-254 registers (2 programs/SM);
+# capped at 168 every layout and feature fits 3, with at most 24 bytes of cold spills and none in
+# the K/V loop. sm_90 D=64 keeps ptxas's choice: under 168 its paged loop spills.
+# triton 3.6 (the oldest pin) takes 227-254 registers for the same kernels uncapped and spills in
+# the K/V loop under the caps (D=256: 12-16 local loads/stores per iteration, every layout, both
+# archs; sm_90 D=128 paged: 2-5), so the caps apply from triton 3.7 on: on 3.6, D=256 runs 1
+# program/SM and sm_90 D=128 2, with no spills.
 REGISTER_CAPS_SINCE = (3, 7)
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
-_FITS = "; programs/SM cap: what fits (kernel report), unmeasured"
+_FITS = "; programs/SM cap: what fits (kernel report), not timed"
 _FP8 = "fp8: the 16-bit entry"
 _REGS = "; at most 128 registers: 2 programs/SM (kernel report)"
 _REGS90 = "; at most 168 registers: 3 programs/SM for every layout and feature (kernel report)"
 
+
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     # 16-bit caches (fp16, bf16): 2 bytes per element.
-    ("sm80", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
-                                  8192, paged_stages=5),
-    ("sm80", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _BN64 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
-                                   8192, paged_stages=5),
-    ("sm80", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES80 + _FITS + _WAVE80 + _AHEAD + _REGS,
-                                   8192, paged_stages=5, max_registers=128),
-    ("sm90", 64, 2): DecodeConfig(256, 128, 64, 4, 3, 3, _PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE
-                                  + _AHEAD, 8192, share_kv_addresses=False, paged_stages=5),
-    ("sm90", 128, 2): DecodeConfig(128, 64, 64, 4, 3, 3, _PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90 + _AHEAD
-                                   + _REGS90, 8192, paged_stages=5, max_registers=168),
-    ("sm90", 256, 2): DecodeConfig(64, 32, 32, 8, 3, 2, _D256 + _STAGES + _FITS + _WAVE90 + _AHEAD + _REGS,
-                                   8192, paged_stages=5, max_registers=128),
+    ("sm80", 64, 2): DecodeConfig(
+        tile_n=256,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_PAPER_D64 + _BN128 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
+    ),
+    ("sm80", 128, 2): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_PAPER_D128 + _BN64 + _STAGES80 + _FITS + _WAVE80 + _AHEAD,
+    ),
+    ("sm80", 256, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=32,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=2,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        max_registers=128,
+        reason=_D256 + _STAGES80 + _FITS + _WAVE80 + _AHEAD + _REGS,
+    ),
+    ("sm90", 64, 2): DecodeConfig(
+        tile_n=256,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        share_kv_addresses=False,
+        paged_stages=5,
+        reason=_PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE + _AHEAD,
+    ),
+    ("sm90", 128, 2): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        max_registers=168,
+        reason=_PAPER_D128 + _STAGES + _BN64 + _FITS + _WAVE90 + _AHEAD + _REGS90,
+    ),
+    ("sm90", 256, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=32,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=2,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        max_registers=128,
+        reason=_D256 + _STAGES + _FITS + _WAVE90 + _AHEAD + _REGS,
+    ),
     # fp8 caches, converted to q's 16-bit dtype: the 16-bit entries' tiles, warps and stages, with
     # key blocks doubled where that fits (see _FP8_BLOCKS).
-    ("sm80", 64, 1): DecodeConfig(256, 128, 64, 4, 3, 3, _FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
-    ("sm80", 128, 1): DecodeConfig(128, 64, 64, 4, 3, 3, _FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
-    ("sm80", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, _FP8 + _FP8_BLOCKS + _FITS + _WAVE80 + _AHEAD, 8192, paged_stages=5),
-    ("sm90", 64, 1): DecodeConfig(256, 256, 64, 4, 3, 3, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192, paged_stages=5),
-    ("sm90", 128, 1): DecodeConfig(128, 128, 64, 4, 3, 3, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192,
-                                   paged_stages=5),
-    ("sm90", 256, 1): DecodeConfig(64, 64, 32, 8, 3, 2, _FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD, 8192, paged_stages=5),
+    ("sm80", 64, 1): DecodeConfig(
+        tile_n=256,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD,
+    ),
+    ("sm80", 128, 1): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_SM80 + _FITS + _WAVE80 + _AHEAD,
+    ),
+    ("sm80", 256, 1): DecodeConfig(
+        tile_n=64,
+        block_n=64,
+        max_block_g=32,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=2,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_BLOCKS + _FITS + _WAVE80 + _AHEAD,
+    ),
+    ("sm90", 64, 1): DecodeConfig(
+        tile_n=256,
+        block_n=256,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD,
+    ),
+    ("sm90", 128, 1): DecodeConfig(
+        tile_n=128,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=3,
+        max_programs_per_sm=3,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD,
+    ),
+    ("sm90", 256, 1): DecodeConfig(
+        tile_n=64,
+        block_n=64,
+        max_block_g=32,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=2,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        reason=_FP8 + _FP8_BLOCKS + _FITS + _WAVE90 + _AHEAD,
+    ),
     # fp32 caches: twice the bytes per key, so half the keys per block keeps registers in bounds.
-    ("sm80", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
-    ("sm80", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 3, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
-    ("sm80", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 3, "fp32: same bytes per tile as the fp16 D=256 entry" + _FITS),
-    ("sm90", 64, 4): DecodeConfig(128, 32, 64, 4, 2, 7, "fp32: same bytes per tile as the fp16 D=64 entry" + _FITS),
-    ("sm90", 128, 4): DecodeConfig(64, 32, 64, 4, 2, 5, "fp32: same bytes per tile as the fp16 D=128 entry" + _FITS),
-    ("sm90", 256, 4): DecodeConfig(32, 16, 16, 8, 2, 4, "fp32: same bytes per tile as the fp16 D=256 entry" + _FITS),
+    ("sm80", 64, 4): DecodeConfig(
+        tile_n=128,
+        block_n=32,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=2,
+        max_programs_per_sm=7,
+        reason="fp32: same bytes per tile as the fp16 D=64 entry" + _FITS,
+    ),
+    ("sm80", 128, 4): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=2,
+        max_programs_per_sm=3,
+        reason="fp32: same bytes per tile as the fp16 D=128 entry" + _FITS,
+    ),
+    ("sm80", 256, 4): DecodeConfig(
+        tile_n=32,
+        block_n=16,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=2,
+        max_programs_per_sm=3,
+        reason="fp32: same bytes per tile as the fp16 D=256 entry" + _FITS,
+    ),
+    ("sm90", 64, 4): DecodeConfig(
+        tile_n=128,
+        block_n=32,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=2,
+        max_programs_per_sm=7,
+        reason="fp32: same bytes per tile as the fp16 D=64 entry" + _FITS,
+    ),
+    ("sm90", 128, 4): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=2,
+        max_programs_per_sm=5,
+        reason="fp32: same bytes per tile as the fp16 D=128 entry" + _FITS,
+    ),
+    ("sm90", 256, 4): DecodeConfig(
+        tile_n=32,
+        block_n=16,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=2,
+        max_programs_per_sm=4,
+        reason="fp32: same bytes per tile as the fp16 D=256 entry" + _FITS,
+    ),
     # Interpreter: tile and block sizes as on the GPU so the tests' T_n-1, T_n, T_n+1 lengths and
     # block boundaries mean the same thing.
-    ("interp", 64, 2): DecodeConfig(256, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=64 entry, untimed", 8192),
-    ("interp", 128, 2): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: mirrors the sm90 D=128 entry, untimed", 8192),
-    ("interp", 256, 2): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the sm90 D=256 entry", 8192),
-    ("interp", 64, 1): DecodeConfig(256, 256, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=64 entry", 8192),
-    ("interp", 128, 1): DecodeConfig(128, 128, 64, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=128 entry", 8192),
-    ("interp", 256, 1): DecodeConfig(64, 64, 32, 4, 1, 1, "interpreter: mirrors the sm90 fp8 D=256 entry", 8192),
-    ("interp", 64, 4): DecodeConfig(256, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
-    ("interp", 128, 4): DecodeConfig(128, 64, 64, 4, 1, 1, "interpreter: paper tile, untimed"),
-    ("interp", 256, 4): DecodeConfig(64, 32, 32, 4, 1, 1, "interpreter: mirrors the GPU D=256 entry"),
+    ("interp", 64, 2): DecodeConfig(
+        tile_n=256,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 D=64 entry, untimed",
+    ),
+    ("interp", 128, 2): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 D=128 entry, untimed",
+    ),
+    ("interp", 256, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=32,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 D=256 entry",
+    ),
+    ("interp", 64, 1): DecodeConfig(
+        tile_n=256,
+        block_n=256,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 fp8 D=64 entry",
+    ),
+    ("interp", 128, 1): DecodeConfig(
+        tile_n=128,
+        block_n=128,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 fp8 D=128 entry",
+    ),
+    ("interp", 256, 1): DecodeConfig(
+        tile_n=64,
+        block_n=64,
+        max_block_g=32,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        reason="interpreter: mirrors the sm90 fp8 D=256 entry",
+    ),
+    ("interp", 64, 4): DecodeConfig(
+        tile_n=256,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="interpreter: paper tile, untimed",
+    ),
+    ("interp", 128, 4): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=64,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="interpreter: paper tile, untimed",
+    ),
+    ("interp", 256, 4): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=32,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        reason="interpreter: mirrors the GPU D=256 entry",
+    ),
 }
 
 # The kernel takes any head_dim that is a multiple of 8 up to 256 (a 16-byte row of 16-bit values),

@@ -1,8 +1,8 @@
 """``torch.library`` registration of ``lean_tp::merge_attention``, and its public entry point.
 
 R partials of the same query rows, each computed over a disjoint set of keys, combine exactly:
-with L = logsumexp_r(lse_r), out = sum_r exp(lse_r - L) out_r. The merge is the one the decode
-op applies to its own tiles (``merge_partials``, with each partial as m = lse, l = 1), folded in
+with L = logsumexp_r(lse_r), out = sum_r exp(lse_r - L) out_r. The merge is the rule the decode
+op applies to its own tiles (``rule.merge_partials``, with each partial as m = lse, l = 1), folded in
 partial order, so every rank that merges the same partials gets the same bits. It is a few
 elementwise passes over (R, rows, D): plain torch, which Inductor fuses into one kernel.
 """
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from lean_tp.ops.decode_attention.checks import DTYPES, check_types
-from lean_tp.ops.decode_attention.torch_impl import merge_partials
+from lean_tp.ops.merge_attention.rule import merge_partials
+from lean_tp.ops.utils import FLOAT_DTYPES, require_tensor
 
 
 def check_partials(out: object, lse: object) -> None:
     """``TypeError``/``ValueError`` naming the argument for malformed partials (shapes and dtypes only)."""
-    check_types(out=out, lse=lse)
+    require_tensor("out", out)
+    require_tensor("lse", lse)
     if out.dim() < 2 or out.shape[0] < 1:
         raise ValueError(f"out: expected (R, *rows, D) with R >= 1 partials, got shape {tuple(out.shape)}")
-    if out.dtype not in DTYPES:
+    if out.dtype not in FLOAT_DTYPES:
         raise TypeError(f"out: expected dtype float16, bfloat16 or float32, got {out.dtype}")
     if lse.dtype != torch.float32:
         raise TypeError(f"lse: expected dtype torch.float32, got {lse.dtype}")

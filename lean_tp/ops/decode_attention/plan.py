@@ -1,0 +1,200 @@
+"""The plan of one decode call: what its shapes, dtypes, device and scalar arguments decide.
+
+``launcher.plan_decode`` builds a ``DecodePlan`` once per call, from tensor metadata alone (never
+values): the cache layout, the call's ``Features``, the backend and, for the Triton backend, the
+``KernelVariant`` (tuning entry and compile-time arguments) and the grid. The launcher, the torch
+backend, the kernel report, the simulator and the tensor-parallel grid report all read it instead
+of deriving those facts again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+
+from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.tuning import (
+    INVARIANT_GROUP_CHUNKS,
+    MAX_CONTRIBUTORS,
+    MERGE_FANIN,
+    MIN_TILES_PER_PROGRAM,
+    SCHEDULE_BLOCK_B,
+    DecodeConfig,
+    block_g_for,
+    config_for,
+    padded_head_dim,
+)
+
+# More keys than any cache holds: without a window every valid key is tiled.
+NO_SPAN_LIMIT = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a call uses beyond one-token decode of a 16/32-bit cache; each field selects a kernel
+    variant, and the torch backend implements them all."""
+
+    num_tokens: int = 1  # Tq, query tokens per sequence
+    fp8: torch.dtype | None = None  # the cache's fp8 dtype, None when the cache has q's dtype
+    softcap: bool = False
+    window: bool = False
+    sinks: bool = False
+    leftpad: bool = False
+    # V's (row, token, head) strides differ from K's; otherwise a paged kernel forms each key's
+    # address once for K and V (``DecodeConfig.share_kv_addresses``).
+    kv_strides_differ: bool = False
+    # Each output's bits depend on its own inputs alone (``invariant.py``), not on the batch.
+    batch_invariant: bool = False
+
+
+def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
+    """Whether an fp8 cache is read as bytes and converted by hand: float8_e4m3fn before sm_89,
+    where Triton has no e4m3 type (sm_80 compiles e5m2, sm_90 and the interpreter both)."""
+    return fp8 == torch.float8_e4m3fn and arch == "sm80"
+
+
+def merge_wave(rows: int, block_d: int, elems: int) -> int:
+    """Partials a merge loads at once: as many as ``elems`` fp32 elements hold (the tuning entry's
+    ``merge_wave_elems``; a power of two, for ``tl.arange``), at least 1, at most the fan-in."""
+    fit = max(1, elems // (rows * block_d))
+    return min(MERGE_FANIN, 1 << (fit.bit_length() - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: the part of a plan that does not depend on batch, heads or strides.
+    ``arch`` is the tuning-table key of the target, ``dtype`` q's dtype."""
+
+    arch: str
+    dtype: torch.dtype
+    head_dim: int
+    group: int
+    page_size: int | None  # None for a contiguous cache
+    features: Features = Features()
+    config: DecodeConfig | None = None  # None: the tuning-table entry
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            entry = config_for(self.arch, self.head_dim, self.dtype, self.features.fp8)
+            object.__setattr__(self, "config", entry)
+
+    @functools.cached_property
+    def constexprs(self) -> dict[str, Any]:
+        """The kernel's compile-time arguments."""
+        config, f = self.config, self.features
+        rows = f.num_tokens * self.group
+        block_g = block_g_for(rows, config)
+        block_d = padded_head_dim(self.head_dim)
+        paged = self.page_size is not None
+        return {
+            "GROUP": self.group,
+            "TQ": f.num_tokens,
+            "HEAD_DIM": self.head_dim,
+            "BLOCK_D": block_d,
+            "BLOCK_G": block_g,
+            "NUM_GC": math.ceil(rows / block_g),
+            "BLOCK_N": config.block_n,
+            "TILE_N": config.tile_n,
+            "PAGED": paged,
+            "PAGE_SIZE": self.page_size or 1,
+            "MIN_TILES": MIN_TILES_PER_PROGRAM,
+            "MAX_CONTRIB": MAX_CONTRIBUTORS,
+            "FANIN": MERGE_FANIN,
+            "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
+            "BLOCK_B": SCHEDULE_BLOCK_B,
+            "DOT_PRECISION": "ieee" if self.dtype == torch.float32 else "tf32",
+            "HAS_LEFTPAD": f.leftpad,
+            "HAS_WINDOW": f.window,
+            "SOFTCAP": f.softcap,
+            "HAS_SINKS": f.sinks,
+            "HAS_SCALES": f.fp8 is not None,
+            "E4M3_BITS": e4m3_as_bits(f.fp8, self.arch),
+            "SAME_KV_STRIDES": paged and config.share_kv_addresses and not f.kv_strides_differ,
+            "INVARIANT": f.batch_invariant,
+            "IGROUP": INVARIANT_GROUP_CHUNKS,
+        }
+
+    @property
+    def block_g(self) -> int:
+        return self.constexprs["BLOCK_G"]
+
+    @property
+    def row_blocks(self) -> int:
+        """Row blocks per KV head (``NUM_GC``)."""
+        return self.constexprs["NUM_GC"]
+
+    def compile_options(self) -> dict[str, int]:
+        """Triton launch options (warps, stages, register cap) of this variant."""
+        return self.config.compile_options(self.page_size is not None, self.block_g)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Everything a call's metadata decides. ``kernel`` is None when the torch backend runs it."""
+
+    batch: int
+    num_q_heads: int
+    head_dim: int
+    dtype: torch.dtype  # q's
+    device: torch.device
+    layout: CacheLayout
+    features: Features
+    window: int | None
+    kernel: KernelVariant | None = None
+    num_programs: int = 0  # the persistent grid; 0 on the torch backend
+    num_sms: int = 0  # SMs the grid is spread over (a divisor of num_programs)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.layout.num_kv_heads
+
+    @property
+    def head_units(self) -> int:
+        """Units of the schedule per sequence: KV heads x row blocks per KV head."""
+        return self.layout.num_kv_heads * self.kernel.row_blocks
+
+    @property
+    def max_span(self) -> int:
+        """Keys of a sequence that any of its queries sees: ``window + Tq - 1`` with a window,
+        else all of them (``NO_SPAN_LIMIT``)."""
+        return span_limit(self.window, self.features.num_tokens)
+
+    @property
+    def max_groups(self) -> int:
+        """Most chunk groups one output has in the batch-invariant mode."""
+        return invariant_groups(self.layout.capacity, self.max_span, self.kernel.config.tile_n)
+
+    @property
+    def group_slots(self) -> int | None:
+        """Workspace slots of group values in the batch-invariant mode (one per group of each
+        output), None otherwise; sized from shapes, never from lengths."""
+        if not self.features.batch_invariant:
+            return None
+        return self.batch * self.head_units * self.max_groups
+
+
+def span_limit(window: int | None, num_tokens: int) -> int:
+    """Keys of a sequence that any of its ``num_tokens`` queries sees (``DecodePlan.max_span``)."""
+    return window + num_tokens - 1 if window is not None else NO_SPAN_LIMIT
+
+
+def invariant_groups(capacity: int, max_span: int, tile_n: int) -> int:
+    """Most chunk groups one output has in the batch-invariant mode (every length is clamped to
+    the capacity, and at most ``max_span`` keys are tiled)."""
+    tiles = -(-min(capacity, max_span) // tile_n)
+    return -(-tiles // INVARIANT_GROUP_CHUNKS)
+
+
+def check_tile_count(batch: int, head_units: int, capacity: int, tile_n: int) -> None:
+    """``ValueError`` unless the schedule's int32 tile arithmetic holds for any lengths: each length
+    is clamped to the capacity, so the most tiles a batch can have is what must fit."""
+    if capacity > NO_SPAN_LIMIT or batch * head_units * -(-capacity // tile_n) >= 2**31:
+        raise ValueError(
+            f"k_cache: expected a capacity of at most {NO_SPAN_LIMIT} keys per sequence and fewer than 2**31 "
+            f"LeanTiles of {tile_n} keys for the batch at full capacity, got capacity {capacity}, batch {batch}, "
+            f"{head_units} head units"
+        )

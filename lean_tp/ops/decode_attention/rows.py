@@ -1,0 +1,171 @@
+"""The rows of a head unit, and what the kernel loads and stores per row: q, the keys each row
+sees, the normalized output and lse.
+
+The rows of one head unit are the Tq query tokens x the GQA group of one KV head, token-major
+(row r is token r // GROUP, query head r % GROUP of the KV head), padded to BLOCK_G.
+"""
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.attend import BF16_DOTS_IN_FP32, load_rows
+
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def head_unit_rows(hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):
+    """Rows of head unit hu ([BLOCK_G] each): query token, query head, and whether the row is real."""
+    o_r = (hu % NUM_GC) * BLOCK_G + tl.arange(0, BLOCK_G)
+    if TQ == 1:  # heads in a line: simpler address math, and padded rows need no wrap-around
+        o_t = o_r * 0
+        o_h = (hu // NUM_GC) * GROUP + o_r
+    else:
+        o_t = o_r // GROUP
+        o_h = (hu // NUM_GC) * GROUP + o_r % GROUP
+    return o_t, o_h, o_r < TQ * GROUP
+
+
+@triton.jit
+def store_output(
+    out_ptr,
+    lse_ptr,
+    sinks_ptr,
+    b,
+    hu,
+    b_acc,
+    b_m,
+    b_l,
+    HQ,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Normalize and store the rows of head unit hu of sequence b into out (B, TQ, HQ, HEAD_DIM) and
+    lse (B, TQ, HQ), both contiguous. A sink joins the denominator here, once per output; without
+    sinks l == 0 (no key seen) gives out 0 and lse -inf."""
+    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    o_d = tl.arange(0, BLOCK_D)
+    if HAS_SINKS:
+        b_sink = tl.load(sinks_ptr + o_h, mask=m_g, other=0.0) * LOG2E
+        b_m_new = tl.maximum(b_m, b_sink)
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_acc = b_acc * b_alpha[:, None]
+        b_l = b_l * b_alpha + tl.exp2(b_sink - b_m_new)
+        b_m = b_m_new
+    b_empty = b_l == 0.0
+    b_out = b_acc / tl.where(b_empty, 1.0, b_l)[:, None]
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(tl.where(b_empty, 1.0, b_l))) * LN2)
+    o_row = (tl.cast(b, tl.int64) * TQ + o_t) * HQ + o_h
+    m_o = m_g[:, None] & (o_d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + o_row[:, None] * HEAD_DIM + o_d[None, :], b_out.to(out_ptr.dtype.element_ty), mask=m_o)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_g)
+
+
+@triton.jit
+def write_empty_sequences(
+    pid,
+    n_active,
+    seqlens_ptr,
+    out_ptr,
+    lse_ptr,
+    sinks_ptr,
+    B,
+    HKV,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Zero-length sequences own no tile; active programs share them round-robin: out 0, lse -inf
+    (the sink's logit with sinks)."""
+    b_zero = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    b_none = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_nol = tl.zeros([BLOCK_G], tl.float32)
+    for b in range(tl.where(pid < n_active, pid, B), B, n_active):
+        if tl.load(seqlens_ptr + b) == 0:
+            for hu in range(0, HKV * NUM_GC):
+                store_output(
+                    out_ptr,
+                    lse_ptr,
+                    sinks_ptr,
+                    b,
+                    hu,
+                    b_zero,
+                    b_none,
+                    b_nol,
+                    HKV * GROUP,
+                    GROUP,
+                    TQ,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    BLOCK_G,
+                    NUM_GC,
+                    HAS_SINKS,
+                )
+
+
+@triton.jit
+def seq_base(leftpad_ptr, b, valid, HAS_LEFTPAD: tl.constexpr):
+    """Cache position of sequence b's first valid key: its left padding, or 0."""
+    if HAS_LEFTPAD:
+        return tl.load(leftpad_ptr + b, mask=valid, other=0)
+    else:
+        return b * 0
+
+
+@triton.jit
+def load_q(
+    q_ptr,
+    b,
+    hu,
+    valid,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+):
+    """The query rows of head unit hu of sequence b ([BLOCK_G, BLOCK_D] in q's dtype, fp32 for bf16 in
+    the interpreter; zero past the rows and past HEAD_DIM), or nothing loaded when not ``valid``."""
+    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    o_d = tl.arange(0, BLOCK_D)
+    o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
+    b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
+    if BF16_DOTS_IN_FP32 and b_q.dtype == tl.bfloat16:
+        b_q = b_q.to(tl.float32)
+    return b_q
+
+
+@triton.jit
+def row_bounds(
+    hu,
+    span,
+    window,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """Keys [lo, hi) of the span each row sees ([BLOCK_G] each): query token t is the span's key
+    span - TQ + t and sees itself and the keys before it, the last ``window`` with a window."""
+    o_t, _, _ = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    b_hi = span - TQ + 1 + o_t
+    if HAS_WINDOW:
+        b_lo = tl.maximum(b_hi - window, 0)
+    else:
+        b_lo = b_hi * 0
+    return b_lo, b_hi

@@ -1,0 +1,53 @@
+"""The kernel report's command line (``python -m lean_tp.tools.kernel_report``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from lean_tp import cli
+from lean_tp.ops.decode_attention.tuning import DecodeConfig
+from lean_tp.tools.kernel_report.report import REPORT_GROUP, report_jobs, run_report, sample_jobs, to_markdown
+
+
+def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
+    fields = [f.name for f in dataclasses.fields(DecodeConfig) if f.type in (int, "int")]
+    overrides = []
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            p.fail("--set", f"FIELD=INTEGER with FIELD one of {', '.join(fields)}", item)
+        overrides.append((name, int(value)))
+    return tuple(overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.ArgumentParser(
+        prog="python -m lean_tp.tools.kernel_report",
+        description="What decode_attention_fwd_kernel compiles to for every tuning-table entry, read on CPU.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per kernel instead of markdown")
+    p.add_argument("--variants", action="store_true", help="also compile bf16, other groups and left padding")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="trial: replace a tuning-table field (e.g. block_n=128) in every entry",
+    )
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="each feature and variant on one head dim per arch, not on every entry (the CPU tests)",
+    )
+    p.add_argument(
+        "--workers", type=cli.integer(1, 256), default=None, help="parallel compiles (default: one per core)"
+    )
+    args = p.parse_args(argv)
+    jobs = report_jobs(args.variants, _parse_overrides(p, args.set))
+    rows = run_report(sample_jobs(jobs) if args.sample else jobs, args.workers)
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows], indent=1))
+    else:
+        print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad and r.dtype != "bf16"]), end="")
+    return 0

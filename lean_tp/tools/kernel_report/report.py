@@ -1,0 +1,290 @@
+"""The kernel report's rows: one compiled kernel per job, its statistics, and the markdown table."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from lean_tp.ops.decode_attention import Features, KernelVariant
+from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for
+from lean_tp.tools.gpus import GPUS, GPUModel
+from lean_tp.tools.kernel_report.sass import (
+    dump,
+    kv_buffers,
+    kv_load_bytes,
+    kv_loop_of_sass,
+    merge_loop_of_sass,
+    page_id_timing,
+    resources,
+)
+from lean_tp.tools.processes import map_in_processes
+
+LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
+E4M3 = torch.float8_e4m3fn
+# The serving-feature variants the report compiles, by name; "" is one-token decode.
+FEATURES = {
+    "": Features(),
+    "fp8_e4m3": Features(fp8=E4M3),
+    "fp8_e5m2": Features(fp8=torch.float8_e5m2),
+    "tq4": Features(num_tokens=4),
+    "softcap": Features(softcap=True),
+    "window": Features(window=True),
+    "sinks": Features(sinks=True),
+    "tq4_window": Features(num_tokens=4, window=True),
+    "all": Features(num_tokens=4, fp8=E4M3, softcap=True, window=True, sinks=True),
+    "v_strides": Features(kv_strides_differ=True),  # V's strides not K's: addresses formed twice
+    "invariant": Features(batch_invariant=True),
+    "all_invariant": Features(num_tokens=4, fp8=E4M3, softcap=True, window=True, sinks=True, batch_invariant=True),
+}
+# Head dims that are not a power of two (Phi-3's 96, and others models use), padded by the kernel.
+PADDED_HEAD_DIMS = (40, 80, 96, 112, 160, 192)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStats:
+    arch: str
+    head_dim: int
+    dtype: str
+    layout: str
+    group: int
+    leftpad: bool
+    features: str
+    block_n: int
+    num_warps: int
+    regs: int
+    spill_bytes: int
+    shared_bytes: int
+    programs_per_sm: int
+    k_load_bytes: int
+    v_load_bytes: int
+    kv_buffers: int
+    wait_group: int
+    sass_per_iter: int
+    loop_spills: int
+    merge_wave: int  # partials the merge loads per loop iteration (one wave)
+    merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
+    merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
+    page_id_loads: int = 0  # block-table loads per thread in one K/V-loop iteration (paged only)
+    page_ids_read_same_iter: int = 0  # of them, read in the iteration that issues them
+
+    @property
+    def gpu(self) -> GPUModel:
+        """The modelled GPU of this arch (``tools.gpus.GPUS``)."""
+        return next(g for g in GPUS.values() if g.arch == self.arch)
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        """K and V bytes one K/V-loop iteration reads (BLOCK_N keys of each)."""
+        fp8 = FEATURES[self.features].fp8
+        elem = fp8.itemsize if fp8 is not None else DTYPES[self.dtype].itemsize
+        return 2 * self.block_n * self.head_dim * elem
+
+    @property
+    def issue_share(self) -> float:
+        """Share of an SM's issue slots the K/V loop needs to keep up with the device's copy
+        bandwidth: SASS per iteration x warps over 4 schedulers, against the cycles the iteration's
+        bytes take at the SM's share of that bandwidth (constants: ``tools.gpus.GPUS``)."""
+        gpu = self.gpu
+        cycles = self.kv_tile_bytes / (gpu.hbm_tbps * 1e12 / gpu.sms) * gpu.clock_ghz * 1e9
+        return self.sass_per_iter * self.num_warps / 4 / cycles
+
+    @property
+    def kv_bytes_buffered(self) -> int:
+        """K/V bytes an SM's programs hold in their shared-memory buffers (programs x buffers x K and
+        V tile bytes): the most they can have in flight."""
+        return self.programs_per_sm * max(self.kv_buffers, 1) * self.kv_tile_bytes
+
+    @property
+    def littles_law_bytes(self) -> int:
+        """Bytes an SM must keep in flight to read at its share of copy bandwidth, at the loaded
+        memory latency of ``GPUS``."""
+        gpu = self.gpu
+        return round(gpu.hbm_tbps * 1e12 / gpu.sms * gpu.hbm_latency_us * 1e-6)
+
+    def as_json(self) -> dict:
+        derived = ("kv_tile_bytes", "issue_share", "kv_bytes_buffered", "littles_law_bytes")
+        return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
+
+
+def compile_stats(
+    arch: str,
+    head_dim: int,
+    dtype: str,
+    layout: str,
+    group: int = REPORT_GROUP,
+    leftpad: bool = False,
+    overrides: tuple[tuple[str, int], ...] = (),
+    features: str = "",
+) -> KernelStats:
+    """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics.
+
+    ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings;
+    ``features``: a key of ``FEATURES`` (``dtype`` stays q's dtype; fp8 variants change the cache's).
+    """
+    torch_dtype, wanted = DTYPES[dtype], dataclasses.replace(FEATURES[features], leftpad=leftpad)
+    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8), **dict(overrides))
+    variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config)
+    kernel = compile_as_launched(example_args(variant), variant, GPUTarget("cuda", int(arch[2:]), 32))
+    regs, stack, static_shared = resources(kernel.asm["cubin"])
+    shared = kernel.metadata.shared + static_shared
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
+    sass = dump(kernel.asm["cubin"], "-sass")
+    return KernelStats(
+        arch,
+        head_dim,
+        dtype,
+        layout,
+        group,
+        leftpad,
+        features,
+        config.block_n,
+        config.num_warps,
+        regs,
+        stack,
+        shared,
+        programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
+        *kv_load_bytes(kernel.asm["ptx"]),
+        kv_buffers(kernel.asm["ttgir"], config.block_n),
+        max(waits, default=0),
+        *kv_loop_of_sass(sass),
+        variant.constexprs["WAVE"],
+        *merge_loop_of_sass(sass),
+        *page_id_timing(sass),
+    )
+
+
+def _valid(config, overrides: tuple[tuple[str, int], ...]) -> bool:
+    """Whether a trial's overrides make a valid configuration of this entry (block_n=128 does not
+    divide a 64-token tile, for example); entries they do not fit are left out of the trial."""
+    try:
+        dataclasses.replace(config, **dict(overrides))
+    except ValueError:
+        return False
+    return True
+
+
+def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] = ()) -> list[tuple]:
+    """(arch, head_dim, dtype, layout, group, leftpad, overrides, features) of every kernel to report.
+
+    The report proper: each GPU tuning-table entry x layout, group 4, and each serving feature on
+    the paged16 16-bit entries. ``variants`` adds what else a call can select: bf16, groups 1 and
+    64 (every row block), a group of 24 where it splits into row chunks, left padding, both fp8
+    formats on every 16-bit entry and layout, and padded head dims, so a CPU test proves they all
+    compile.
+    """
+    jobs = []
+    for (arch, head_dim, size), config in TUNING_TABLE.items():
+        # fp8 entries are compiled as the fp8 features of the 16-bit entry of their head dim.
+        if arch == "interp" or size == 1 or not _valid(config, overrides):
+            continue
+        dtype = "fp16" if size == 2 else "fp32"
+        jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False, overrides, "") for layout in LAYOUTS]
+        if size == 2:
+            jobs += [(arch, head_dim, dtype, "paged16", REPORT_GROUP, False, overrides, f) for f in FEATURES if f]
+        if variants:
+            groups = (1, 64) + ((24,) if config.max_block_g < 24 else ())
+            jobs += [(arch, head_dim, dtype, "paged16", g, False, overrides, "") for g in groups]
+            jobs.append((arch, head_dim, dtype, "contiguous", REPORT_GROUP, True, overrides, ""))
+            if size == 2:
+                jobs.append((arch, head_dim, "bf16", "paged16", REPORT_GROUP, True, overrides, "all"))
+                jobs += [
+                    (arch, head_dim, "bf16", layout, REPORT_GROUP, False, overrides, f)
+                    for layout in LAYOUTS
+                    for f in ("fp8_e4m3", "fp8_e5m2")
+                    if layout != "paged16"
+                ]
+    if variants:
+        jobs += [
+            (arch, d, "fp16", "paged16", REPORT_GROUP, True, overrides, "")
+            for arch in ("sm80", "sm90")
+            for d in PADDED_HEAD_DIMS
+        ]
+    return jobs
+
+
+def sample_jobs(jobs: list[tuple]) -> list[tuple]:
+    """What the CPU tests compile, a third of ``--variants``: the one-token decode rows of every
+    16-bit entry and layout and of every fp32 entry on one layout; and each other kind of job (a
+    feature or variant: the job without its arch and head dim) on one head dim, rotating over the
+    head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
+    sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
+    fp32_seen, base, kinds = 0, [], {}
+    for job in jobs:
+        if job[4] == REPORT_GROUP and not job[5] and job[2] != "bf16" and not job[7]:
+            if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
+                entry, layout = divmod(fp32_seen, len(LAYOUTS))
+                fp32_seen += 1
+                if layout != entry % len(LAYOUTS):
+                    continue
+            base.append(job)
+        else:
+            kinds.setdefault(job[2:], []).append(job)
+    sample = []
+    for i, (kind, same_kind) in enumerate(kinds.items()):
+        by_arch = "fp8" in kind[-1] or kind[-1] == "all"
+        for arch in ("sm80", "sm90") if by_arch else (("sm80", "sm90")[i % 2],):
+            of_arch = [j for j in same_kind if j[0] == arch]
+            if of_arch:
+                sample.append(of_arch[i % len(of_arch)])
+    return base + sample
+
+
+def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
+    """Compile ``jobs`` in parallel processes (each compile is single-threaded), with a progress bar."""
+    env_interp = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # the workers must compile, not interpret
+    try:
+        return map_in_processes(compile_stats, jobs, "compiling kernels", "kernel", workers, progress)
+    finally:
+        if env_interp is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = env_interp
+
+
+def to_markdown(rows: list[KernelStats]) -> str:
+    """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
+    gpu = {"sm80": "A100", "sm90": "H100"}
+    lines = [
+        f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} "
+        "(`python -m lean_tp.tools.kernel_report`).",
+        "",
+        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V buffers | wait_group "
+        "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | page ids read in own iteration "
+        "| merge: partials/iter | merge: SASS/contributor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in rows if not r.features):
+        lines.append(
+            f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.shared_bytes / 1024:.1f} "
+            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} | {r.wait_group} "
+            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
+            f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
+            f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
+            f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
+        )
+    lines += [
+        "",
+        "Serving features, paged16 (`FEATURES` in `lean_tp/tools/kernel_report/report.py`; fp8 variants read an fp8 cache "
+        "with an fp16 q):",
+        "",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | BLOCK_N | SASS/iter "
+        "| issue share | page ids read in own iteration |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in rows if r.features):
+        lines.append(
+            f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} "
+            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,153 @@
+"""The simulator's rows and tables: every method's modelled time of a problem on a GPU, and the
+context-parallel sweep's per-rank memory and time."""
+
+from __future__ import annotations
+
+import torch
+
+from lean_tp import cli
+from lean_tp.tools.gpus import GPUS, GPUS_PER_NODE, LINKS, GPUModel
+from lean_tp.tools.processes import map_in_processes
+from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
+from lean_tp.tools.simulate.schedules import Schedule, simulate
+
+
+def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict:
+    """One table row: every method's modelled time and merge, lean's chain and bandwidth share."""
+    lean = result["lean"]
+    row = {
+        "gpu": gpu.name,
+        "problem": problem.describe(),
+        "kv_mb": problem.kv_bytes / 1e6,
+        "lean_programs": lean.units,
+        "lean_chain": lean.chain,
+        "lean_merge_kb": lean.merge_bytes / 1024,
+        "lean_bw": problem.kv_bytes / (lean.time_us * 1e6 * gpu.hbm_tbps) if lean.time_us else 0.0,
+    }
+    for method, sched in result.items():
+        row |= {
+            f"{method}_us": sched.time_us,
+            f"{method}_merge_us": sched.merge_us,
+            f"{method}_eff": sched.efficiency,
+            f"{method}_splits": sched.splits,
+        }
+        if method != "lean":
+            # None where lean has nothing to do (every length 0): no ratio to report.
+            row[f"speedup_vs_{method}"] = sched.time_us / lean.time_us if lean.time_us else None
+    return row
+
+
+def table_rows(problem: Problem, gpus: list[str], programs_per_sm: int | None = None) -> list[dict]:
+    return [row_of(problem, GPUS[name], simulate(problem, GPUS[name], programs_per_sm)) for name in gpus]
+
+
+def table_rows_parallel(
+    problems: list[Problem],
+    gpus: list[str],
+    programs_per_sm: int | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """``table_rows`` of every problem on every GPU, in that order, each distinct one computed once.
+
+    Off the GPU the schedule kernel runs in the interpreter, one program at a time on one core, so
+    the (problem, GPU) runs are spread over one process per core.
+    """
+    jobs = [(prob, gpu) for prob in problems for gpu in gpus]
+    unique = list(dict.fromkeys(jobs))
+    calls = [(prob, [gpu], programs_per_sm) for prob, gpu in unique]
+    if torch.cuda.is_available():
+        results = [
+            table_rows(*call) for call in cli.progress(calls, desc="simulating", unit="run", disable=not progress)
+        ]
+    else:  # the workers inherit TRITON_INTERPRET=1
+        results = map_in_processes(table_rows, calls, "simulating", "run", workers, progress)
+    done = {job: rows[0] for job, rows in zip(unique, results)}
+    return [done[job] for job in jobs]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        "| GPU | problem | lean us | lean merge us | chain | merge KB | programs | lean BW | FA2 splits | FA2 us "
+        "| FA2 combine us | Flex splits | Flex us | vs FA2 | vs Flex | invariant us | invariant / lean |"
+    )
+    lines = [head, "|" + "---|" * 17]
+    for r in rows:
+        lines.append(
+            f"| {r['gpu']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_chain']} "
+            f"| {r['lean_merge_kb']:.0f} "
+            f"| {r['lean_programs']} | {r['lean_bw']:.2f} | {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} "
+            f"| {r['flex_splits']} | {r['flex_us']:.1f} | {_ratio(r['speedup_vs_fa2'])} | {_ratio(r['speedup_vs_flex'])} "
+            f"| {r['lean_invariant_us']:.1f} | {_ratio(r['speedup_vs_lean_invariant'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def cp_merge_us(batch: int, n_heads: int, head_dim: int, tp: int, cp: int, gpu: GPUModel) -> float:
+    """The CP exchange of one layer: an all-gather of every rank's (out, lse) partials, float32
+    (B x Hq x (D + 1) x 4 bytes a rank), over NVLink when the world fits in one node and over the
+    network otherwise (CP ranks are tp apart), then the merge kernel's launch gap."""
+    if cp == 1:
+        return 0.0
+    link = LINKS["nvlink" if tp * cp <= GPUS_PER_NODE else "network"][gpu.name == "H100"]
+    partial = batch * n_heads * (head_dim + 1) * 4
+    return link.latency_us + (cp - 1) * partial / (link.gbps * 1e3) + gpu.launch_gap_us
+
+
+def cp_row(case: tuple, row: dict, gpu: GPUModel) -> dict:
+    """One rank's KV memory and modelled attention time per layer (lean kernel + CP exchange)."""
+    name, gpus, tp, cp, batch, context, problem = case
+    merge = cp_merge_us(batch, problem.n_heads, problem.head_dim, tp, cp, gpu)
+    kv_gb = PRESET_LAYERS[name] * problem.kv_bytes / 1e9
+    return {
+        "gpu": gpu.name,
+        "model": name,
+        "gpus": gpus,
+        "tp": tp,
+        "cp": cp,
+        "batch": batch,
+        "context": context,
+        "rank_problem": problem.describe(),
+        "kv_gb_per_rank": kv_gb,
+        "lean_us": row["lean_us"],
+        "cp_merge_us": merge,
+        "attention_us": row["lean_us"] + merge,
+    }
+
+
+def format_cp_table(rows: list[dict]) -> str:
+    head = "| GPU | model | GPUs | TP x CP | B | context | rank shape | KV GB / rank | kernel us | CP merge us | attention us / layer |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['gpu']} | {r['model']} | {r['gpus']} | {r['tp']} x {r['cp']} | {r['batch']} | {r['context']} "
+            f"| {r['rank_problem']} | {r['kv_gb_per_rank']:.1f} | {r['lean_us']:.1f} | {r['cp_merge_us']:.1f} "
+            f"| {r['attention_us']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_tp_table(rows: list[dict]) -> str:
+    """The tensor-parallel sweep's rows (``--tp-sweep``) as one table; presets whose ranks have the
+    same shape (Hq, Hkv, D) share a row."""
+    head = (
+        "| GPU | model (rank shape) | B | context | lean us | merge us | chain | merge KB | programs | FA2 splits "
+        "| FA2 us | FA2 combine us | FA2 / lean | Flex / lean |"
+    )
+    merged: dict[tuple[str, str], tuple[dict, list[str]]] = {}
+    for r in rows:
+        merged.setdefault((r["problem"], r["gpu"]), (r, []))[1].append(r["model"])
+    lines = [head, "|" + "---|" * 14]
+    for r, models in merged.values():
+        shape = r["problem"].split(" ", 1)[1].rsplit(" len ", 1)[0]
+        lines.append(
+            f"| {r['gpu']} | {' / '.join(models)} ({shape}) | {r['batch']} | {r['context']} | {r['lean_us']:.1f} "
+            f"| {r['lean_merge_us']:.2f} | {r['lean_chain']} | {r['lean_merge_kb']:.0f} | {r['lean_programs']} "
+            f"| {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} | {_ratio(r['speedup_vs_fa2'])} "
+            f"| {_ratio(r['speedup_vs_flex'])} |"
+        )
+    return "\n".join(lines)
