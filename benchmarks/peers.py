@@ -128,7 +128,7 @@ def _varlen(s: Inputs):
 FLASHINFER_PAGE = 16
 
 
-def _flashinfer_pages(s: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+def flashinfer_pages(s: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """(k pages, v pages, block table (B, pages per sequence), FlashInfer layout name): a paged
     input set's own pages (NHD), or a paged HND copy of a contiguous cache."""
     if "block_table" in s:
@@ -155,7 +155,7 @@ def _flashinfer(s: Inputs):
     import flashinfer
 
     q, lens = s["q"], s["cache_seqlens"]
-    k, v, table, layout = _flashinfer_pages(s)
+    k, v, table, layout = flashinfer_pages(s)
     page, hkv, d = (k.shape[1], k.shape[2], k.shape[3]) if layout == "NHD" else (k.shape[2], k.shape[1], k.shape[3])
     used = (lens + page - 1) // page
     indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()

@@ -287,10 +287,10 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             self.kv_cache.write_token(k[:, :, 0], v[:, :, 0], input_pos)
-            y = self._decode(q[:, :, 0], input_pos + 1)[:, :, None]  # the op's cache_seqlens count the new token
+            y = self.decode(q[:, :, 0], input_pos + 1)[:, :, None]  # the op's cache_seqlens count the new token
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
 
-    def _decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
         cache = self.kv_cache
         if self.attend is not None:

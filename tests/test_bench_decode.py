@@ -186,16 +186,16 @@ def test_paged_shape_runs_lean_on_shuffled_pages_and_skips_unwired_peers():
 def test_flashinfer_pages_hold_each_sequences_keys_in_table_order():
     """What the FlashInfer peer plans over: a paged input set's own pages and table (NHD), or an HND
     copy of a contiguous cache where page p of sequence b, table[b, p], holds keys 16 p .. 16 p + 15."""
-    from peers import _flashinfer_pages
+    from peers import flashinfer_pages
 
     paged = bench_decode.make_set(
         bench_decode.Shape("layouts", "p", (40, 33), 4, 2, 64, layout="paged16"), torch.float32, torch.device("cpu")
     )
-    k, v, table, kv_layout = _flashinfer_pages(paged)
+    k, v, table, kv_layout = flashinfer_pages(paged)
     assert (k, v, table, kv_layout) == (paged["k_cache"], paged["v_cache"], paged["block_table"], "NHD")
     shape = bench_decode.Shape("layouts", "c", (40, 33), 4, 2, 64)
     s = bench_decode.make_set(shape, torch.float32, torch.device("cpu"))
-    k, _, table, kv_layout = _flashinfer_pages(s)
+    k, _, table, kv_layout = flashinfer_pages(s)
     assert kv_layout == "HND" and k.shape == (2 * 3, 2, 16, 64)
     for b, n in enumerate(shape.lens):
         keys = torch.cat([k[table[b, p]] for p in range(-(-n // 16))], dim=1)[:, :n]  # (Hkv, n, D)

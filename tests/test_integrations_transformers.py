@@ -50,7 +50,7 @@ def _pair(arch: str, dtype=torch.float32):
     return sdpa.eval(), lean.eval()
 
 
-def _batch(case: str):
+def batch_of(case: str):
     g = torch.Generator().manual_seed(1)
     if case == "batch1":
         ids = torch.randint(3, 256, (1, 9), generator=g)
@@ -74,7 +74,7 @@ def test_register_is_idempotent():
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_generate_matches_sdpa(arch, case, cache, lean_calls):
     sdpa, lean = _pair(arch)
-    ids, mask = _batch(case)
+    ids, mask = batch_of(case)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation=cache)
     expected = sdpa.generate(ids, **kwargs)
     got = lean.generate(ids, **kwargs)
@@ -86,7 +86,7 @@ def test_generate_matches_sdpa(arch, case, cache, lean_calls):
 def test_bf16_logits_match_sdpa_every_step():
     """Teacher-forced with SDPA's tokens so both see the same inputs; each step's logits agree."""
     sdpa, lean = _pair("llama", torch.bfloat16)
-    ids, mask = _batch("left-padded")
+    ids, mask = batch_of("left-padded")
     caches = [DynamicCache(config=sdpa.config), DynamicCache(config=lean.config)]
     with torch.no_grad():
         logits = [m(ids, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
@@ -102,7 +102,7 @@ def test_bf16_logits_match_sdpa_every_step():
 def test_right_padding_falls_back_to_sdpa_logged_once(caplog, lean_calls):
     """Right padding leaves a gap between prompt and new tokens: not one run, so SDPA, said once."""
     sdpa, lean = _pair("llama")
-    ids, mask = _batch("left-padded")
+    ids, mask = batch_of("left-padded")
     mask = mask.flip(1)
     lean_hf._logged.clear()
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -141,7 +141,7 @@ def test_float_mask_falls_back(lean_calls):
     q, k = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 5, 16)
     mask = torch.zeros(2, 1, 1, 5)
     out, _ = lean_hf.lean_attention_forward(attn, q, k, k, mask, scaling=0.25)
-    ref, _ = lean_hf._fallback(attn, q, k, k, mask, scaling=0.25)
+    ref, _ = lean_hf.fallback(attn, q, k, k, mask, scaling=0.25)
     torch.testing.assert_close(out, ref)
     assert lean_calls == []
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
-from test_integrations_transformers import _batch
+from test_integrations_transformers import batch_of
 
 import lean_tp.integrations.transformers as lean_hf
 
@@ -111,7 +111,7 @@ def _pair(family: str):
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "qwen2", "gpt_oss", "phi3"])
 def test_generate_matches_reference(family, case, lean_calls):
     ref, lean = _pair(family)
-    ids, mask = _batch(case)
+    ids, mask = batch_of(case)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(lean.generate(ids, **kwargs), ref.generate(ids, **kwargs))
     decode = [c for c in lean_calls if c[0][1] == 1]
@@ -131,7 +131,7 @@ def test_assisted_generation_verifies_several_tokens_on_the_op(family, case, lea
     _, assistant = _pair(family)
     assistant.generation_config.num_assistant_tokens = 4
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    ids, mask = _batch(case)
+    ids, mask = batch_of(case)
     ids, mask = ids[:1], mask[:1]  # transformers' assisted generation takes one sequence (row 0: 5 pads)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     expected = ref.generate(ids, **kwargs)

@@ -244,7 +244,7 @@ def test_sdpa_decode_mask_ignores_stale_cache():
     q = torch.randn(1, 4, 64)
     attn.kv_cache.k.normal_()
     attn.kv_cache.v.normal_()
-    got = attn._decode(q, torch.tensor([5], dtype=torch.int32))
+    got = attn.decode(q, torch.tensor([5], dtype=torch.int32))
     k, v = attn.kv_cache.k[:, :, :5], attn.kv_cache.v[:, :, :5]
     ref = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(got, ref)

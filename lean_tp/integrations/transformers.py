@@ -57,7 +57,7 @@ def _log_once(reason: str) -> None:
         logger.log(level, "lean attention uses SDPA for %s (logged once)", reason)
 
 
-def _fallback(module, query, key, value, attention_mask, **kwargs):
+def fallback(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA; for softcap or sinks, which SDPA lacks, the model's own eager attention."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is not None and (kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None):
@@ -177,4 +177,4 @@ def lean_attention_forward(
             return out, None
         reason = "a mask the decode op does not imply (right padding, or a custom mask)"
     _log_once(reason)
-    return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

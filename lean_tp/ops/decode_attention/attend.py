@@ -87,7 +87,7 @@ def e4m3_words_to_f16(w):
 @triton.jit
 def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     """K/V values in q's dtype. With E4M3_BITS, x holds float8_e4m3fn values (Triton has no e4m3
-    type before sm_89) as int32 words of four (``launcher.e4m3_operands``: where the caches'
+    type before sm_89) as int32 words of four (``launch_args.e4m3_operands``: where the caches'
     offsets and strides allow) or as uint8. A value's sign at an fp16's bit 15 and its 7 low bits
     at bits 7..13 is the fp16 of value x 2^-8 exactly, subnormals included (the caller multiplies
     the scales by E4M3_BITS_SCALE = 2^8): a byte gets there sign-extended, shifted left by 7, with
