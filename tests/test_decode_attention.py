@@ -180,6 +180,9 @@ def test_launcher_rejects_a_grid_that_does_not_fit_its_sms_or_counters():
         decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, num_sms=4)
     with pytest.raises(ValueError, match="counters: expected at least 24 elements, got 8"):
         decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, counters=torch.zeros(8, dtype=torch.int32))
+    plan = plan_decode(**inputs, num_programs=4)
+    with pytest.raises(ValueError, match="config, num_programs, num_sms: expected None with a plan"):
+        decode_attention_fwd(**inputs, softmax_scale=0.1, plan=plan, num_programs=8)
 
 
 def test_decode_attention_triton_counters_reset_and_deterministic():

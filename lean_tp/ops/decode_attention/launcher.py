@@ -164,6 +164,10 @@ def decode_attention_fwd(
     Returns:
         out in q's shape and dtype, and lse float32 in q's shape without D, natural log.
     """
+    if plan is not None and (config, num_programs, num_sms) != (None, None, None):
+        raise ValueError(
+            "config, num_programs, num_sms: expected None with a plan (plan_decode takes them), got values"
+        )
     if plan is None:
         plan = plan_decode(
             q,
