@@ -18,7 +18,6 @@ from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.ops.utils import FLOAT_DTYPES, interpreted, require_tensor
 
 BACKENDS = ("auto", "triton", "torch")
-DTYPES = FLOAT_DTYPES
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
 # each K/V tile, so a bound keeps the row block within what one program holds.
@@ -82,7 +81,7 @@ def check_inputs(
     require_tensor("q", q)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected 3 dims (B, Hq, D) or 4 dims (B, Tq, Hq, D), got shape {tuple(q.shape)}")
-    if q.dtype not in DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if q.dim() == 4 and not 1 <= q.shape[1] <= MAX_QUERY_TOKENS:
@@ -194,8 +193,8 @@ def check_scalar_types(softcap: object, window: object, softmax_scale: object) -
 
 def check_scalars(softcap: object, window: object, softmax_scale: object = None) -> None:
     """softcap, window and softmax_scale values (their types are the wrapper's
-    ``check_scalar_types``, and the op schema's). A non-finite scale or cap would make every
-    output NaN."""
+    ``check_scalar_types``, and the op schema's, which converts a bool to an int or a float before
+    the op sees it). A non-finite scale or cap would make every output NaN."""
     if softcap is not None and not 0 < softcap < math.inf:
         raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
     if softmax_scale is not None and not math.isfinite(softmax_scale):

@@ -166,13 +166,16 @@ def grid_size(device: torch.device, variant: KernelVariant) -> int:
     """
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sm_count(device) * _programs_per_sm_on(index, variant)
+    return sm_count(device) * _programs_per_sm_on(_cuda_index(device), variant)
 
 
 def sm_count(device: torch.device) -> int:
     """SMs the grid is spread over: the device's, or ``INTERPRETER_PROGRAMS`` (one program each) on CPU."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(_cuda_index(device)).multi_processor_count
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one for ``"cuda"`` without an index."""
+    return device.index if device.index is not None else torch.cuda.current_device()
