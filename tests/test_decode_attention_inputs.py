@@ -141,10 +141,25 @@ def test_debug_checks_block_table(monkeypatch):
     inputs = _base("paged16")
     inputs["block_table"][1, 0] = 10**6
     monkeypatch.setenv("LEAN_TP_DEBUG", "1")
-    with pytest.raises(ValueError, match="block_table: expected page indices"):
+    with pytest.raises(
+        ValueError, match=r"block_table: expected page ids in \[0, 5\) .* got 1000000 at sequence 1, column 0"
+    ):
         lean_tp.decode_attention(**inputs)
     monkeypatch.delenv("LEAN_TP_DEBUG")
-    lean_tp.decode_attention(**inputs)  # without the debug flag nothing reads the values
+    out = lean_tp.decode_attention(**inputs)  # without the debug flag only that sequence is poisoned
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
+def test_debug_block_table_check_skips_columns_no_key_is_read_from(monkeypatch):
+    """Columns before the left padding or the window read nothing: any id there is harmless."""
+    inputs = make_inputs([20, 30], 8, 2, 64, torch.float16, "paged16", leftpad=[17, 0], seed=0)
+    inputs["block_table"][0, 0] = -1  # sequence 0's keys start at position 17, on column 1
+    inputs["block_table"][1, 0] = -1  # a window of 8 (with Tq 1) reads positions 22..29, column 1
+    monkeypatch.setenv("LEAN_TP_DEBUG", "1")
+    out = lean_tp.decode_attention(**inputs, window=8)
+    assert not out.isnan().any()
+    with pytest.raises(ValueError, match="got -1 at sequence 1, column 0"):
+        lean_tp.decode_attention(**inputs)
 
 
 @pytest.mark.parametrize(

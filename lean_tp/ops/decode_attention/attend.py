@@ -23,7 +23,16 @@ BF16_DOTS_IN_FP32 = INTERPRETED
 
 @triton.jit
 def _kv_index(
-    bt_ptr, b, n_first, o_n, m_n, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr
+    bt_ptr,
+    b,
+    n_first,
+    o_n,
+    m_n,
+    stride_bt,
+    num_pages,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr,
 ):
     """(row, position in row) of tokens o_n (n_first first) of sequence b: (b, token) or, when
     paged, (page, slot). BLOCK_IN_PAGE: the caller knows they lie in one page."""
@@ -37,10 +46,35 @@ def _kv_index(
             o_page = tl.load(bt_row + (n_first >> PAGE_SIZE.bit_length() - 1))
         else:
             o_page = tl.load(bt_row + (o_n >> PAGE_SIZE.bit_length() - 1), mask=m_n, other=0)
+        # An id outside [0, num_pages) reads the pool's last page instead (its sequence's result is
+        # made NaN by attend_segment): one unsigned min, since a negative id is a huge unsigned one.
+        # A compare feeding the loads' masks costs more, and feeding a flag makes the pipeliner
+        # load the ids a second time in the iteration that reads them (docs/design.md).
+        last = (num_pages - 1).to(tl.uint32, bitcast=True)
+        o_page = tl.minimum(o_page.to(tl.uint32, bitcast=True), last).to(tl.int32, bitcast=True)
         o_row, o_pos = tl.cast(o_page, tl.int64), tl.cast(o_n & (PAGE_SIZE - 1), tl.int64)
     else:
         o_row, o_pos = tl.cast(b, tl.int64), tl.cast(o_n, tl.int64)
     return o_row, o_pos
+
+
+# Page ids ``_has_bad_page`` compares at once: 4 per thread of a 4-warp program.
+SCAN_PAGES = tl.constexpr(512)
+
+
+@triton.jit
+def _has_bad_page(bt_ptr, b, c_lo, c_hi, stride_bt, num_pages):
+    """Whether a page id in columns [c_lo, c_hi) of sequence b's block table lies outside
+    [0, num_pages). Called after the K/V loop, which copied the same ids with ``cp.async.ca``
+    (cached in L1 as well as L2): one L1 or L2 round trip per SCAN_PAGES ids."""
+    n_pages = num_pages.to(tl.uint32, bitcast=True)
+    bt_row = bt_ptr + tl.cast(b, tl.int64) * stride_bt
+    bad = 0
+    for c0 in range(c_lo, c_hi, SCAN_PAGES):
+        o_c = c0 + tl.arange(0, SCAN_PAGES)
+        b_ids = tl.load(bt_row + o_c, mask=o_c < c_hi, other=0)
+        bad = tl.maximum(bad, tl.max((b_ids.to(tl.uint32, bitcast=True) >= n_pages).to(tl.int32), 0))
+    return bad != 0
 
 
 @triton.jit
@@ -123,6 +157,7 @@ def attend_segment(
     stride_vn,
     stride_vh,
     stride_bt,
+    num_pages,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -143,9 +178,16 @@ def attend_segment(
     row sees every key, and the caller guarantees n_lo < n_hi, so m is finite after the first block.
     With SOFTCAP, qk_scale is 2 log2(e) scale / softcap and the score is
     ``cap_log2 * tanh(..)`` written with exp2: tanh(x) = 1 - 2 / (e^{2x} + 1).
+
+    Paged: a page id outside [0, num_pages) is never used as an address (``_kv_index`` reads the
+    pool's last page in its place), and a range with such an id gives acc and l NaN (m as
+    computed), which every merge and fold carries into the output and its lse: a bad block table
+    poisons its own sequence, and no other output reads this partial. ``_has_bad_page`` finds
+    such ids after the K/V loop, which holds no value for it.
     """
     # A cache of 4-byte words (E4M3_BITS, see _upcast) has a quarter of the columns.
     PER_COL: tl.constexpr = 4 if k_ptr.dtype.element_ty == tl.int32 else 1
+    PAGE_SHIFT: tl.constexpr = PAGE_SIZE.bit_length() - 1
     o_d = tl.arange(0, BLOCK_D // PER_COL)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
@@ -157,7 +199,9 @@ def attend_segment(
         # the pipeliner requests them a stage ahead of the K/V copies they address (launched with
         # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
         # addresses too.
-        o_row, o_pos = _kv_index(bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
+        o_row, o_pos = _kv_index(
+            bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, num_pages, PAGED, PAGE_SIZE, BLOCK_IN_PAGE
+        )
         p_k = (
             k_ptr
             + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None]
@@ -185,6 +229,11 @@ def attend_segment(
         b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
+    if PAGED:
+        c_lo, c_hi = (n_base + n_lo) >> PAGE_SHIFT, ((n_base + n_hi - 1) >> PAGE_SHIFT) + 1
+        bad = _has_bad_page(bt_ptr, b, c_lo, c_hi, stride_bt, num_pages)
+        b_l = tl.where(bad, float("nan"), b_l)
+        b_acc = tl.where(bad, float("nan"), b_acc)
     return b_acc, b_m, b_l
 
 

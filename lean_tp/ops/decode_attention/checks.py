@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from lean_tp.ops.decode_attention.cache import SHAPES, CacheLayout
+from lean_tp.ops.decode_attention.cache import SHAPES, CacheLayout, valid_keys
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.ops.utils import FLOAT_DTYPES, interpreted, require_tensor
@@ -120,7 +120,9 @@ def check_inputs(
         k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks, softmax_scale
     )
     if values and os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
-        _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad)
+        tq = q.shape[1] if q.dim() == 4 else 1
+        max_span = window + tq - 1 if window is not None else None
+        _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad, max_span)
     return layout
 
 
@@ -241,6 +243,8 @@ def _check_paged(block_table: object, k_cache: torch.Tensor, batch: int, device:
     _check_int32("block_table", block_table, device)
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows (q's batch), got shape {tuple(block_table.shape)}")
+    if k_cache.shape[0] == 0:  # a bad page id reads the pool's last page in its place
+        raise ValueError(f"k_cache: expected a pool of at least one page (dim 0), got shape {tuple(k_cache.shape)}")
     page_size = k_cache.shape[1]
     if not is_page_size(page_size):
         raise ValueError(f"k_cache: expected a page size (dim 1) that is a power of two, got {page_size}")
@@ -252,8 +256,10 @@ def _check_values(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
+    max_span: int | None,
 ) -> None:
-    """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device."""
+    """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device.
+    ``max_span``: the most keys a sequence reads (a window's), or None for all of them."""
     cap = layout.capacity
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
     if not (lo >= 0 and hi <= cap):
@@ -264,13 +270,32 @@ def _check_values(
             f"with cache_seqlens {cache_seqlens.tolist()[:8]}"
         )
     if layout.paged and block_table.numel():
-        used = torch.arange(block_table.shape[1], device=block_table.device) * layout.page_size < cache_seqlens[:, None]
-        pages = block_table[used]
-        bad = pages[(pages < 0) | (pages >= num_rows)]
-        if bad.numel() != 0:
-            raise ValueError(
-                f"block_table: expected page indices in [0, {num_rows}) for used pages, got {bad[:4].tolist()}"
-            )
+        _check_page_ids(layout.page_size, num_rows, cache_seqlens, block_table, cache_leftpad, max_span)
+
+
+def _check_page_ids(
+    page_size: int,
+    num_rows: int,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_leftpad: torch.Tensor | None,
+    max_span: int | None,
+) -> None:
+    """The first page id outside [0, num_rows) in a column that a sequence reads, named by sequence
+    and column. Without the debug mode the same id only makes that sequence's output NaN."""
+    start, end = valid_keys(cache_seqlens, cache_leftpad, block_table.shape[1] * page_size)
+    first = start if start is not None else torch.zeros_like(end)
+    if max_span is not None:
+        first = torch.maximum(first, end - max_span)
+    col = torch.arange(block_table.shape[1], device=block_table.device) * page_size
+    read = (col < end[:, None]) & (col + page_size > first[:, None])
+    bad = read & ((block_table < 0) | (block_table >= num_rows))
+    if bool(bad.any()):
+        b, c = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table: expected page ids in [0, {num_rows}) (the pool's pages) in the columns a sequence "
+            f"reads, got {int(block_table[b, c])} at sequence {b}, column {c} ({int(bad.sum())} such entries)"
+        )
 
 
 def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:

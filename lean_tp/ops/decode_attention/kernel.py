@@ -48,6 +48,7 @@ _NOT_SPECIALIZED = [
     "stride_ks",
     "stride_vs",
     "max_groups",
+    "num_pages",
 ]
 
 
@@ -76,6 +77,7 @@ def decode_attention_fwd_kernel(
     max_span,
     window,
     max_groups,
+    num_pages,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -128,6 +130,8 @@ def decode_attention_fwd_kernel(
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     INVARIANT: the batch-invariant mode (invariant.py), with chunks folded in groups of IGROUP and
     max_groups group slots per output in the workspace; the default mode ignores max_groups.
+    num_pages: the paged pool's size; a key on a page id outside [0, num_pages) is never read and
+    makes its sequence's output rows and lse NaN (``attend_segment``).
     """
     stride_qb = stride_qb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_qt = stride_qt // STRIDE_ALIGN * STRIDE_ALIGN
@@ -202,6 +206,7 @@ def decode_attention_fwd_kernel(
                 stride_vn,
                 stride_vh,
                 stride_bt,
+                num_pages,
                 TQ,
                 HEAD_DIM,
                 BLOCK_D,
@@ -239,6 +244,7 @@ def decode_attention_fwd_kernel(
                 stride_vn,
                 stride_vh,
                 stride_bt,
+                num_pages,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_G,

@@ -111,6 +111,8 @@ def launch_args(
         "num_sms": plan.num_sms,
         "max_span": plan.max_span,
         "max_groups": plan.max_groups,
+        # Pages of the pool (dim 0 in any view): the kernel reads no page id outside [0, num_pages).
+        "num_pages": k_cache.shape[0] if layout.paged else 0,
         "window": plan.window if plan.window is not None else NO_SPAN_LIMIT,
         "stride_qb": q.stride(0),
         "stride_qt": q.stride(1),

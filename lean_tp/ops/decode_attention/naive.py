@@ -17,8 +17,9 @@ def gather_kv(
     if not layout.paged:
         return cache[b, :, start:end]
     page_size = layout.page_size
-    pages = block_table[b, : math.ceil(end / page_size)].long()
-    return cache[pages].flatten(0, 1)[start:end].transpose(0, 1)
+    first = start // page_size  # columns before it hold no key of the range and are not read
+    pages = block_table[b, first : math.ceil(end / page_size)].long()
+    return cache[pages].flatten(0, 1)[start - first * page_size : end - first * page_size].transpose(0, 1)
 
 
 def decode_attention_ref(
@@ -46,12 +47,13 @@ def decode_attention_ref(
     lse = torch.full((batch, num_tokens, num_q_heads), float("-inf"), dtype=torch.float64)
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     for b, (start, end) in enumerate(zip(starts, cache_seqlens.tolist())):
-        k = _dequantize(gather_kv(layout, k_cache, b, 0, end, block_table), k_scale).repeat_interleave(group, 0)
-        v = _dequantize(gather_kv(layout, v_cache, b, 0, end, block_table), v_scale).repeat_interleave(group, 0)
+        start = min(max(start, 0), end)
+        k = _dequantize(gather_kv(layout, k_cache, b, start, end, block_table), k_scale).repeat_interleave(group, 0)
+        v = _dequantize(gather_kv(layout, v_cache, b, start, end, block_table), v_scale).repeat_interleave(group, 0)
         for t in range(num_tokens):
             pos = end - num_tokens + t  # this query's cache position; it sees keys [lo, pos]
             lo = max(start, pos - window + 1) if window is not None else start
-            seen = slice(lo, max(lo, pos + 1))
+            seen = slice(lo - start, max(lo, pos + 1) - start)  # k and v begin at position start
             s = torch.einsum("hd,hnd->hn", q4[b, t].double().cpu(), k[:, seen]) * scale
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
@@ -60,7 +62,7 @@ def decode_attention_ref(
             if s.shape[1] == 0:
                 continue
             lse[b, t] = torch.logsumexp(s, -1)
-            out[b, t] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1)[:, : seen.stop - lo], v[:, seen])
+            out[b, t] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1)[:, : seen.stop - seen.start], v[:, seen])
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
 
 

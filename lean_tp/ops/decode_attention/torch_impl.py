@@ -24,24 +24,29 @@ CHUNK_TOKENS = 4096
 
 
 def _kv_chunks(layout: CacheLayout, k_cache, v_cache, block_table, n_keys: int):
-    """Yield (first token, K chunk, V chunk), chunks as (B, Hkv, n, D), covering positions [0, n_keys)
-    (paged: up to the end of n_keys's last page). The chunks stop there, not at the cache's end, so
-    their shapes come from n_keys alone."""
+    """Yield (first token, K chunk, V chunk, bad), chunks as (B, Hkv, n, D), covering positions
+    [0, n_keys) (paged: up to the end of n_keys's last page). The chunks stop there, not at the
+    cache's end, so their shapes come from n_keys alone. ``bad`` (B, n) marks the keys whose page
+    id lies outside the pool (None for a contiguous cache): page 0 is gathered in their place, so
+    no id is ever used as an index, and the caller decides what a bad key in a sequence's range means."""
     if not layout.paged:
         for n0 in range(0, n_keys, CHUNK_TOKENS):
             n1 = min(n0 + CHUNK_TOKENS, n_keys)
-            yield n0, k_cache[:, :, n0:n1], v_cache[:, :, n0:n1]
+            yield n0, k_cache[:, :, n0:n1], v_cache[:, :, n0:n1], None
         return
     page_size = layout.page_size
     pages_per_chunk = max(1, CHUNK_TOKENS // page_size)
-    # Entries past a sequence's length may hold anything; clamp so the gather stays in bounds.
-    table = block_table.long().clamp(0, k_cache.shape[0] - 1)
+    # Compared as int64: no wrap-around for negative ids, none past the pool.
+    table = block_table.long()
+    ok = (table >= 0) & (table < k_cache.shape[0])
+    table = torch.where(ok, table, torch.zeros_like(table))
     n_pages = -(-n_keys // page_size)
     for p0 in range(0, n_pages, pages_per_chunk):
-        pages = table[:, p0 : min(p0 + pages_per_chunk, n_pages)]
+        cols = slice(p0, min(p0 + pages_per_chunk, n_pages))
+        pages = table[:, cols]
         k = k_cache[pages].flatten(1, 2).transpose(1, 2)
         v = v_cache[pages].flatten(1, 2).transpose(1, 2)
-        yield p0 * page_size, k, v
+        yield p0 * page_size, k, v, ~ok[:, cols].repeat_interleave(page_size, 1)
 
 
 def decode_attention_torch(
@@ -112,8 +117,14 @@ def decode_attention_torch(
     seen_lo, seen_hi = lo.amin(2, keepdim=True), hi.amax(2, keepdim=True)
     m = torch.full((batch, num_kv_heads, rows), float("-inf"), device=q.device)
     partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
-    for n0, k, v in _kv_chunks(layout, k_cache, v_cache, block_table, _keys_to_read(end, layout.capacity)):
+    # Sequences with a key in their range on a page id outside the pool: their rows come out NaN,
+    # as the kernel's do (``attend.attend_segment``).
+    poisoned = torch.zeros(batch, dtype=torch.bool, device=q.device)
+    for n0, k, v, bad in _kv_chunks(layout, k_cache, v_cache, block_table, _keys_to_read(end, layout.capacity)):
         pos = torch.arange(n0, n0 + k.shape[2], device=q.device)
+        if bad is not None:
+            seen = (pos >= seen_lo.view(-1, 1)) & (pos < seen_hi.view(-1, 1))
+            poisoned = poisoned | (bad & seen).any(-1)
         k, v = _dequantize(k, k_scale), _dequantize(v, v_scale)
         v = torch.where(((pos >= seen_lo) & (pos < seen_hi)).transpose(-1, -2), v, torch.zeros_like(v))
         # K as the left operand keeps its (n, D) memory order: a (D, n) copy for the right operand
@@ -130,6 +141,8 @@ def decode_attention_torch(
         sink = sink.reshape(batch, num_kv_heads, rows)
         partial = merge_partials(partial, (sink, torch.ones_like(sink), torch.zeros_like(q_g)))
     m, l, acc = partial
+    l = torch.where(poisoned.view(-1, 1, 1), torch.full_like(l, float("nan")), l)
+    acc = torch.where(poisoned.view(-1, 1, 1, 1), torch.full_like(acc, float("nan")), acc)
     empty = l == 0
     out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
     lse = torch.where(
