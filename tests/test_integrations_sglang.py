@@ -182,7 +182,9 @@ def _reference(fixture, q, layer, drafts: int, **features):
     rows = fixture.runner.req_to_token_pool.req_to_token[batch.req_pool_indices.long()]
     k_all, v_all = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     cap = max(lens)
-    gather = lambda buf: torch.stack([buf[rows[b, :cap].long()] for b in range(len(lens))]).transpose(1, 2)  # noqa: E731
+    # Slot 0 past a request's keys, whatever the row holds there: the reference reads none of them.
+    slots = torch.where(torch.arange(cap) < torch.tensor(lens)[:, None], rows[:, :cap], 0).long()
+    gather = lambda buf: buf[slots].transpose(1, 2)  # noqa: E731
     k, v = gather(k_all).float(), gather(v_all).float()
     if "k_scale" in features:
         k, v = k * features.pop("k_scale"), v * features.pop("v_scale")
@@ -228,6 +230,32 @@ def test_sglang_decode_matches_float64(page_size, feature, op_backend, lean_call
     )
     torch.testing.assert_close(out.double(), expected, atol=TOL[torch.float16], rtol=0)
     assert len(lean_calls) == 1 and lean_calls[0][1]["window"] == (None if window is None else window + 1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("padding", ["-1", "stale"])
+def test_sglang_unused_table_entries_hold_any_padding(page_size, padding, op_backend, lean_calls):
+    """``req_to_token`` past a request's keys holds what the pool leaves there (-1, or stale slots
+    of other requests, some past the pool): the columns they become are never read."""
+    prefix_lens = [0, 1, page_size + 1, 40]
+    fixture = _fixture(page_size, 8, 2, prefix_lens)
+    req_to_token = fixture.runner.req_to_token_pool.req_to_token
+    slots = fixture.runner.token_to_kv_pool.k_buffer[0].shape[0]
+    batch = fixture.forward_batch
+    for r, n in zip(batch.req_pool_indices.tolist(), (batch.seq_lens).tolist()):
+        tail = req_to_token[r, n:]
+        if padding == "-1":
+            tail.fill_(-1)
+        else:  # slots other requests own, the last slot, and slots past the pool
+            stale = torch.tensor([slots + page_size, 3, slots - 1, 2**31 - 1], dtype=torch.int32)
+            tail.copy_(stale.repeat(-(-tail.numel() // 4))[: tail.numel()])
+    gen = torch.Generator().manual_seed(page_size)
+    layer = RadixAttention(8, 64, 0.125, 2, layer_id=0)
+    q, k, v = (torch.randn(len(prefix_lens), h, 64, generator=gen).half() for h in (8, 2, 2))
+    fixture.backend.init_forward_metadata(batch)
+    out = fixture.backend.forward(q, k, v, layer, batch)
+    torch.testing.assert_close(out.double(), _reference(fixture, q, layer, 1), atol=TOL[torch.float16], rtol=0)
+    assert len(lean_calls) == 1
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -439,6 +439,28 @@ def test_cpu_metadata_keeps_the_pages_in_use(vllm_config):
     check(forward(case), case.ref, torch.float32)
 
 
+@pytest.mark.parametrize("padding", ["-1", "stale"])
+@pytest.mark.parametrize("op_backend", ["auto", "triton"])
+def test_unused_block_table_columns_hold_any_padding(vllm_config, monkeypatch, padding, op_backend):
+    """Columns past a request's pages hold what an engine leaves there (-1, or stale ids of pages
+    other requests own, some past the pool): never read, on the torch path and on the kernel."""
+    if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
+    case = make_case(vllm_config, [(40, 1), (3, 1), (0, 1), (17, 1)], block_size=16, seed=3)
+    table, num_pages = case.common.block_table_tensor, case.kv_cache.shape[0]
+    used = torch.arange(table.shape[1]) * 16 < case.common.seq_lens[:, None]
+    stale = torch.tensor([num_pages + 5, 1, num_pages - 1, 2**31 - 1], dtype=torch.int32)[:, None].expand_as(table)
+    table[~used] = (torch.full_like(table, -1) if padding == "-1" else stale)[~used]
+    case.metadata = LeanAttentionMetadataBuilder(
+        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32),
+        ["layer.0"],
+        vllm_config,
+        torch.device("cpu"),
+    ).build(0, case.common)
+    check(forward(case), case.ref, torch.float32)
+
+
 def _decode_sub_batch(vllm_config, case, rows, spec):
     """Metadata of the decode requests ``rows`` (one query token each) of a decode-only case, in
     that order, over the same cache: the same requests in another batch."""
