@@ -14,6 +14,7 @@ import torch
 
 from lean_tp.ops.decode_attention.cache import SHAPES, CacheLayout, valid_keys
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.plan import span_limit
 from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.ops.utils import FLOAT_DTYPES, interpreted, require_tensor
 
@@ -120,8 +121,7 @@ def check_inputs(
         k_cache.dtype, num_q_heads, num_kv_heads, q.device, k_scale, v_scale, softcap, window, sinks, softmax_scale
     )
     if values and os.environ.get("LEAN_TP_DEBUG") == "1" and not torch.compiler.is_compiling():
-        tq = q.shape[1] if q.dim() == 4 else 1
-        max_span = window + tq - 1 if window is not None else None
+        max_span = span_limit(window, q.shape[1] if q.dim() == 4 else 1)
         _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad, max_span)
     return layout
 
@@ -256,10 +256,10 @@ def _check_values(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
-    max_span: int | None,
+    max_span: int,
 ) -> None:
     """LEAN_TP_DEBUG=1 only: checks that read tensor values and so synchronize with the device.
-    ``max_span``: the most keys a sequence reads (a window's), or None for all of them."""
+    ``max_span``: the most keys a sequence reads (``plan.span_limit``)."""
     cap = layout.capacity
     lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
     if not (lo >= 0 and hi <= cap):
@@ -279,14 +279,13 @@ def _check_page_ids(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor,
     cache_leftpad: torch.Tensor | None,
-    max_span: int | None,
+    max_span: int,
 ) -> None:
     """The first page id outside [0, num_rows) in a column that a sequence reads, named by sequence
     and column. Without the debug mode the same id only makes that sequence's output NaN."""
     start, end = valid_keys(cache_seqlens, cache_leftpad, block_table.shape[1] * page_size)
     first = start if start is not None else torch.zeros_like(end)
-    if max_span is not None:
-        first = torch.maximum(first, end - max_span)
+    first = torch.maximum(first, end - min(max_span, block_table.shape[1] * page_size))
     col = torch.arange(block_table.shape[1], device=block_table.device) * page_size
     read = (col < end[:, None]) & (col + page_size > first[:, None])
     bad = read & ((block_table < 0) | (block_table >= num_rows))
