@@ -82,3 +82,32 @@ def assert_matches_ref(out: torch.Tensor, lse: torch.Tensor, inputs: dict, atol:
     assert (out[empty] == 0).all()
     assert torch.isneginf(lse[empty]).all()
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=atol, rtol=rtol)
+
+
+def launcher_form(inputs: dict) -> dict:
+    """``inputs`` with float fp8 scales as (1,) float32 tensors, the form the launcher takes (the
+    op takes both)."""
+    call = dict(inputs)
+    for name in ("k_scale", "v_scale"):
+        if isinstance(call.get(name), float):
+            call[name] = torch.tensor([call[name]])
+    return call
+
+
+def select(inputs: dict, idx: list[int]) -> dict:
+    """The batch of requests ``idx`` (in that order) of a pool built by ``make_inputs`` (or
+    ``make_feature_inputs``), in ``launcher_form``: their rows of q, lengths, left padding and block
+    table; a paged pool's pages are shared."""
+    paged = inputs["block_table"] is not None
+    rows = torch.tensor(idx, dtype=torch.long)
+    pick = lambda t: None if t is None else t[rows]  # noqa: E731
+    call = dict(
+        inputs,
+        q=inputs["q"][rows],
+        cache_seqlens=pick(inputs["cache_seqlens"]),
+        cache_leftpad=pick(inputs["cache_leftpad"]),
+        block_table=pick(inputs["block_table"]),
+    )
+    if not paged:
+        call["k_cache"], call["v_cache"] = inputs["k_cache"][rows], inputs["v_cache"][rows]
+    return launcher_form(call)

@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+from helpers import ATOL, assert_matches_ref, launcher_form, make_inputs, select
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 EDGE_IDS = ("INT_MIN", "-1", "num_pages", "num_pages+1", "INT_MAX")
@@ -49,18 +50,6 @@ def fill_unused(inputs: dict) -> None:
                 table[b, c] = junk[(b + c) % len(junk)]
 
 
-def subset(inputs: dict, rows: list[int]) -> dict:
-    """The call restricted to sequences ``rows`` (per-sequence tensors indexed, the rest kept)."""
-    batch = inputs["q"].shape[0]
-    per_seq = {"q", "cache_seqlens", "block_table", "cache_leftpad"}
-    if inputs.get("block_table") is None:
-        per_seq |= {"k_cache", "v_cache"}
-    return {
-        k: v[rows].contiguous() if k in per_seq and isinstance(v, torch.Tensor) and v.shape[0] == batch else v
-        for k, v in inputs.items()
-    }
-
-
 def run(inputs: dict, backend: str, batch_invariant: bool = False, num_programs: int | None = None, config=None):
     """(out, lse) of the op, or of the launcher on a forced grid (splits outputs over programs) and
     tuning entry, into NaN-filled out and lse."""
@@ -69,15 +58,11 @@ def run(inputs: dict, backend: str, batch_invariant: bool = False, num_programs:
 
     if backend == "torch" or num_programs is None:
         return lean_tp.decode_attention(**inputs, backend=backend, return_lse=True, batch_invariant=batch_invariant)
-    call = dict(inputs)
-    for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
-        if isinstance(call.get(name), float):
-            call[name] = torch.tensor([call[name]])
     q = inputs["q"]
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:-1], float("nan"))
     return decode_attention_fwd(
-        **call,
+        **launcher_form(inputs),
         softmax_scale=q.shape[-1] ** -0.5,
         batch_invariant=batch_invariant,
         num_programs=num_programs,
@@ -95,13 +80,11 @@ def check_poisoned(out, lse, inputs: dict, bad_rows: list[int], assert_healthy) 
         assert out[b].isnan().all() and lse[b].isnan().all(), f"sequence {b} (bad page id) is not NaN"
     good = [b for b in range(batch) if b not in bad_rows]
     if good:
-        assert_healthy(out[good], lse[good], subset(inputs, good))
+        assert_healthy(out[good], lse[good], select(inputs, good))
 
 
 def _batch_case(name: str):
     """A batch of healthy sequences with one bad sequence per column position among them."""
-    from helpers import make_inputs
-
     bad_at = {1: "first", 4: "middle", 6: "last"}
     lens = list(HEALTHY)
     for b in sorted(bad_at):
@@ -119,15 +102,13 @@ def main(name: str) -> None:
 
 
 def _check_backend(backend: str, name: str) -> None:
-    from helpers import ATOL, assert_matches_ref
-
     def healthy(out, lse, inputs):
         assert_matches_ref(out, lse, inputs, ATOL[torch.float16])
 
     inputs, bad_rows = _batch_case(name)
     grid = 5 if backend == "triton" else None  # 5 programs: the long sequences' outputs are split
     for b in bad_rows:  # each bad sequence alone
-        alone = subset(inputs, [b])
+        alone = select(inputs, [b])
         out, lse = run(alone, backend, num_programs=grid)
         check_poisoned(out, lse, alone, [0], healthy)
     out, lse = run(inputs, backend, num_programs=grid)
@@ -135,13 +116,12 @@ def _check_backend(backend: str, name: str) -> None:
     # The invariant mode: healthy rows bitwise what they are without the bad sequences.
     good = [b for b in range(inputs["q"].shape[0]) if b not in bad_rows]
     out, lse = run(inputs, backend, batch_invariant=True, num_programs=grid)
-    ref_out, ref_lse = run(subset(inputs, good), backend, batch_invariant=True, num_programs=grid)
+    ref_out, ref_lse = run(select(inputs, good), backend, batch_invariant=True, num_programs=grid)
     check_poisoned(out, lse, inputs, bad_rows, healthy)
     assert torch.equal(out[good], ref_out) and torch.equal(lse[good], ref_lse), "invariant rows changed"
     print(f"{backend} {name}: ok")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before lean_tp is imported (in ``run``)
     main(*sys.argv[1:])

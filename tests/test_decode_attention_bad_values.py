@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import ATOL, assert_matches_ref, make_inputs
+from helpers import ATOL, assert_matches_ref, launcher_form, make_inputs
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 import lean_tp
@@ -61,10 +61,7 @@ def run_kernel_guarded(inputs: dict, num_programs: int = 4, seconds: float = 120
     q = inputs["q"]
     out_buf, out = guarded(q.shape, q.dtype)
     lse_buf, lse = guarded(q.shape[:-1], torch.float32)
-    call = dict(inputs)
-    for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
-        if isinstance(call.get(name), float):
-            call[name] = torch.tensor([call[name]])
+    call = launcher_form(inputs)
     run_with_time_limit(
         lambda: decode_attention_fwd(
             **call, softmax_scale=q.shape[-1] ** -0.5, out=out, lse=lse, num_programs=num_programs

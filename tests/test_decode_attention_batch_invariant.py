@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers import ATOL
+from helpers import ATOL, select
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
@@ -41,27 +41,6 @@ CONFIG = DecodeConfig(
 GROUP_KEYS = CHUNK * INVARIANT_GROUP_CHUNKS
 # 0, 1, chunk - 1, chunk, chunk + 1, a group's keys +- 1, and lengths of several groups.
 POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 530, 700]
-
-
-def select(inputs: dict, idx: list[int]) -> dict:
-    """The batch of requests ``idx`` (in that order) of a pool built by ``make_feature_inputs``:
-    their rows of q, lengths, left padding and block table; a paged pool's pages are shared."""
-    paged = inputs["block_table"] is not None
-    rows = torch.tensor(idx, dtype=torch.long)
-    pick = lambda t: None if t is None else t[rows]  # noqa: E731
-    call = dict(
-        inputs,
-        q=inputs["q"][rows],
-        cache_seqlens=pick(inputs["cache_seqlens"]),
-        cache_leftpad=pick(inputs["cache_leftpad"]),
-        block_table=pick(inputs["block_table"]),
-    )
-    if not paged:
-        call["k_cache"], call["v_cache"] = inputs["k_cache"][rows], inputs["v_cache"][rows]
-    for name in ("k_scale", "v_scale"):  # the launcher takes the op's form: float32 tensors
-        if isinstance(call.get(name), float):
-            call[name] = torch.tensor([call[name]])
-    return call
 
 
 def run(inputs: dict, idx: list[int], num_programs: int, batch_invariant: bool = True, config=CONFIG):

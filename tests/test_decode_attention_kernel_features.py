@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import ATOL, LAYOUTS
+from helpers import ATOL, LAYOUTS, launcher_form
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 import lean_tp
@@ -37,19 +37,10 @@ pytestmark = pytest.mark.skipif(
 FEATURE_ARGS = ("cache_leftpad", "k_scale", "v_scale", "softcap", "window", "sinks")
 
 
-def _scale(x):
-    return torch.tensor([x], dtype=torch.float32) if isinstance(x, float) else x
-
-
 def _kernel_call(inputs: dict, num_programs: int) -> dict:
     """Launcher arguments with NaN-filled out, lse and workspace."""
     q = inputs["q"]
-    call = {
-        **inputs,
-        "k_scale": _scale(inputs.get("k_scale")),
-        "v_scale": _scale(inputs.get("v_scale")),
-        "softmax_scale": q.shape[-1] ** -0.5,
-    }
+    call = {**launcher_form(inputs), "softmax_scale": q.shape[-1] ** -0.5}
     plan = plan_decode(**call, num_programs=num_programs)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
     call.update(

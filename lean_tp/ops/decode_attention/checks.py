@@ -285,7 +285,7 @@ def _check_page_ids(
     and column. Without the debug mode the same id only makes that sequence's output NaN."""
     start, end = valid_keys(cache_seqlens, cache_leftpad, block_table.shape[1] * page_size)
     first = start if start is not None else torch.zeros_like(end)
-    first = torch.maximum(first, end - min(max_span, block_table.shape[1] * page_size))
+    first = torch.maximum(first, end - max_span)
     col = torch.arange(block_table.shape[1], device=block_table.device) * page_size
     read = (col < end[:, None]) & (col + page_size > first[:, None])
     bad = read & ((block_table < 0) | (block_table >= num_rows))
