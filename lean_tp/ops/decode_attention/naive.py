@@ -36,14 +36,16 @@ def decode_attention_ref(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (q's shape) and lse (q's shape without D), both float64; arguments as in
-    ``lean_tp.decode_attention``. Written one query at a time, straight from the definitions."""
+    """out (q's shape with v_cache's head dim Dv) and lse (q's shape without D), both float64;
+    arguments as in ``lean_tp.decode_attention``, except that V's head dim may differ from K's (MLA
+    reads V as the first Dv columns of each K row). Written one query at a time, straight from the
+    definitions."""
     q4 = q if q.dim() == 4 else q[:, None]
     batch, num_tokens, num_q_heads, head_dim = q4.shape
     layout = CacheLayout.of(k_cache, v_cache, block_table)
     group = num_q_heads // layout.num_kv_heads
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    out = torch.zeros(batch, num_tokens, num_q_heads, head_dim, dtype=torch.float64)
+    out = torch.zeros(batch, num_tokens, num_q_heads, v_cache.shape[-1], dtype=torch.float64)
     lse = torch.full((batch, num_tokens, num_q_heads), float("-inf"), dtype=torch.float64)
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     for b, (start, end) in enumerate(zip(starts, cache_seqlens.tolist())):

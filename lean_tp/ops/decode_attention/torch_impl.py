@@ -67,7 +67,8 @@ def decode_attention_torch(
     plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention in plain torch; arguments as ``lean_tp.decode_attention`` (q (B, Hq, D) or
-    (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors; ``plan``: the
+    (B, Tq, Hq, D)), except that fp8 scales are (Hkv,) or (1,) float32 tensors and that V's head
+    dim Dv may be below K's (out is (B, [Tq,] Hq, Dv): MLA's V is a prefix of each K row); ``plan``: the
     call's ``plan_decode``, whose cache layout is read (by default the layout is read here).
     Returns (out, lse).
 
@@ -116,7 +117,9 @@ def decode_attention_torch(
     # Keys any row of a sequence sees, (B, 1, 1, 1) each: V outside them is zeroed, since 0 * NaN is NaN.
     seen_lo, seen_hi = lo.amin(2, keepdim=True), hi.amax(2, keepdim=True)
     m = torch.full((batch, num_kv_heads, rows), float("-inf"), device=q.device)
-    partial = (m, torch.zeros_like(m), torch.zeros_like(q_g))
+    # The accumulator has V's head dim, which may be below K's (MLA: V is a prefix of each K row).
+    no_value = q_g.new_zeros(batch, num_kv_heads, rows, v_cache.shape[-1])
+    partial = (m, torch.zeros_like(m), no_value)
     # Sequences with a key in their range on a page id outside the pool: their rows come out NaN,
     # as the kernel's do (``attend.attend_segment``).
     poisoned = torch.zeros(batch, dtype=torch.bool, device=q.device)
@@ -139,7 +142,7 @@ def decode_attention_torch(
     if sinks is not None:  # one more logit per query head, with no value
         sink = sinks.float().view(1, num_kv_heads, 1, group).expand(batch, num_kv_heads, num_tokens, group)
         sink = sink.reshape(batch, num_kv_heads, rows)
-        partial = merge_partials(partial, (sink, torch.ones_like(sink), torch.zeros_like(q_g)))
+        partial = merge_partials(partial, (sink, torch.ones_like(sink), no_value))
     m, l, acc = partial
     l = torch.where(poisoned.view(-1, 1, 1), torch.full_like(l, float("nan")), l)
     acc = torch.where(poisoned.view(-1, 1, 1, 1), torch.full_like(acc, float("nan")), acc)
@@ -148,7 +151,7 @@ def decode_attention_torch(
     lse = torch.where(
         empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, torch.ones_like(l), l))
     )
-    out = out.view(batch, num_kv_heads, num_tokens, group, head_dim).transpose(1, 2).reshape(q4.shape).to(q.dtype)
+    out = out.view(batch, num_kv_heads, num_tokens, group, -1).transpose(1, 2).reshape(*q4.shape[:3], -1).to(q.dtype)
     lse = lse.view(batch, num_kv_heads, num_tokens, group).transpose(1, 2).reshape(q4.shape[:3])
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
 
