@@ -111,3 +111,27 @@ def select(inputs: dict, idx: list[int]) -> dict:
     if not paged:
         call["k_cache"], call["v_cache"] = inputs["k_cache"][rows], inputs["v_cache"][rows]
     return launcher_form(call)
+
+
+def run_kernel(inputs: dict, counters: torch.Tensor | None = None, **plan_options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the launcher on ``inputs`` (in ``launcher_form``), planned with ``plan_options``
+    (``plan_decode``'s: batch_invariant, config, num_programs, ...); out, lse and the merge
+    workspace start as NaN, so an unwritten element or a merge reading an unwritten slot fails."""
+    from lean_tp.ops.decode_attention.launch_args import plan_workspace
+    from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
+
+    call = launcher_form(inputs)
+    q = call["q"]
+    plan = plan_decode(**call, **plan_options)
+    workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, q.device))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:-1], float("nan"))
+    return decode_attention_fwd(
+        **call,
+        softmax_scale=q.shape[-1] ** -0.5,
+        plan=plan,
+        counters=counters,
+        out=out,
+        lse=lse,
+        workspace=workspace,
+    )

@@ -12,7 +12,7 @@ import os
 import sys
 
 import torch
-from helpers import ATOL, assert_matches_ref, launcher_form, make_inputs, select
+from helpers import ATOL, assert_matches_ref, make_inputs, run_kernel, select
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 EDGE_IDS = ("INT_MIN", "-1", "num_pages", "num_pages+1", "INT_MAX")
@@ -54,22 +54,10 @@ def run(inputs: dict, backend: str, batch_invariant: bool = False, num_programs:
     """(out, lse) of the op, or of the launcher on a forced grid (splits outputs over programs) and
     tuning entry, into NaN-filled out and lse."""
     import lean_tp
-    from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 
     if backend == "torch" or num_programs is None:
         return lean_tp.decode_attention(**inputs, backend=backend, return_lse=True, batch_invariant=batch_invariant)
-    q = inputs["q"]
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:-1], float("nan"))
-    return decode_attention_fwd(
-        **launcher_form(inputs),
-        softmax_scale=q.shape[-1] ** -0.5,
-        batch_invariant=batch_invariant,
-        num_programs=num_programs,
-        config=config,
-        out=out,
-        lse=lse,
-    )
+    return run_kernel(inputs, batch_invariant=batch_invariant, num_programs=num_programs, config=config)
 
 
 def check_poisoned(out, lse, inputs: dict, bad_rows: list[int], assert_healthy) -> None:

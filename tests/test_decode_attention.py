@@ -8,11 +8,11 @@ import zlib
 
 import pytest
 import torch
-from helpers import LAYOUTS, assert_matches_ref, make_inputs
+from helpers import LAYOUTS, assert_matches_ref, make_inputs, run_kernel
 
 import lean_tp
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
-from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
+from lean_tp.ops.decode_attention.launch_args import counters_size
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.tuning import DecodeConfig, get_config
 from lean_tp.ops.utils import interpreted
@@ -37,24 +37,6 @@ def length_sets(tile: int) -> dict[str, list[int]]:
         "ragged": [2000, 3, 0, 2 * tile + 1],
         "single": [tile],
     }
-
-
-def run_kernel(inputs: dict, num_programs: int | None = None, config: DecodeConfig | None = None, counters=None):
-    """Launch with NaN-filled out, lse and workspace; returns (out, lse)."""
-    q = inputs["q"]
-    plan = plan_decode(**inputs, config=config, num_programs=num_programs)
-    workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, q.device))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
-    return decode_attention_fwd(
-        **inputs,
-        softmax_scale=q.shape[-1] ** -0.5,
-        plan=plan,
-        counters=counters,
-        out=out,
-        lse=lse,
-        workspace=workspace,
-    )
 
 
 LENGTH_SETS = ("edges", "empty", "ragged", "single")

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers import ATOL, select
+from helpers import ATOL, run_kernel, select
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
@@ -46,19 +46,9 @@ POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 
 def run(inputs: dict, idx: list[int], num_programs: int, batch_invariant: bool = True, config=CONFIG):
     """The kernel on requests ``idx`` of the pool; out and lse start as NaN, and the merge counters
     must be back at zero afterwards."""
-    call = select(inputs, idx)
-    q = call["q"]
-    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"))
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
-    decode_attention_fwd(
-        **call,
-        softmax_scale=q.shape[-1] ** -0.5,
-        batch_invariant=batch_invariant,
-        num_programs=num_programs,
-        config=config,
-        counters=counters,
-        out=out,
-        lse=lse,
+    out, lse = run_kernel(
+        select(inputs, idx), counters, batch_invariant=batch_invariant, num_programs=num_programs, config=config
     )
     assert not counters.any(), "a merge left its counter set"
     return out, lse
