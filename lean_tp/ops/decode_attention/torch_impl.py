@@ -125,11 +125,11 @@ def decode_attention_torch(
     poisoned = torch.zeros(batch, dtype=torch.bool, device=q.device)
     for n0, k, v, bad in _kv_chunks(layout, k_cache, v_cache, block_table, _keys_to_read(end, layout.capacity)):
         pos = torch.arange(n0, n0 + k.shape[2], device=q.device)
+        seen = (pos >= seen_lo) & (pos < seen_hi)  # (B, 1, 1, n)
         if bad is not None:
-            seen = (pos >= seen_lo.view(-1, 1)) & (pos < seen_hi.view(-1, 1))
-            poisoned = poisoned | (bad & seen).any(-1)
+            poisoned = poisoned | (bad & seen.view(batch, -1)).any(-1)
         k, v = _dequantize(k, k_scale), _dequantize(v, v_scale)
-        v = torch.where(((pos >= seen_lo) & (pos < seen_hi)).transpose(-1, -2), v, torch.zeros_like(v))
+        v = torch.where(seen.transpose(-1, -2), v, torch.zeros_like(v))
         # K as the left operand keeps its (n, D) memory order: a (D, n) copy for the right operand
         # is what torch 2.11's CPU Inductor miscompiles when fused with the page gather.
         s = torch.matmul(k, q_g.transpose(-1, -2)).transpose(-1, -2)
