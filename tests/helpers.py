@@ -124,7 +124,7 @@ def run_kernel(inputs: dict, counters: torch.Tensor | None = None, **plan_option
     q = call["q"]
     plan = plan_decode(**call, **plan_options)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, q.device))
-    out = torch.full_like(q, float("nan"))
+    out = torch.full((*q.shape[:-1], call["v_cache"].shape[-1]), float("nan"), dtype=q.dtype)
     lse = torch.full(q.shape[:-1], float("nan"))
     return decode_attention_fwd(
         **call,

@@ -57,7 +57,8 @@ def assert_matches_feature_ref(out, lse, inputs, atol, lse_atol=1e-4, lse_rtol=1
     shapes and dtype, no NaN (unwritten elements), and rows that see no key and have no sink give
     exactly out 0 and lse -inf."""
     q = inputs["q"]
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
+    assert out.shape == (*q.shape[:-1], inputs["v_cache"].shape[-1]) and out.dtype == q.dtype
+    assert lse.shape == q.shape[:-1]
     ref_out, ref_lse = decode_attention_ref(
         **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     )

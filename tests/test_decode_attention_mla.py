@@ -1,15 +1,20 @@
-"""MLA decode (V head dim below K's): V is the first Dv columns of each latent K row.
+"""MLA decode: V's head dim below K's, V the first Dv columns of each latent K row.
 
-The float64 reference and the torch backend take it; the Triton kernel does not yet, and the op
-refuses ``v_cache.shape != k_cache.shape`` before any backend runs (``checks.check_inputs``).
+The float64 reference and the torch backend take any Dqk > Dv (a scaled-down 72/64 row here); the
+Triton kernel takes the pairs with a tuning entry, DeepSeek's 576/512, and reads V from K's tile
+when v_cache is ``k_cache[..., :512]`` (``cache.is_prefix_view``; the compiled loop's bytes per key
+are checked in test_kernel_report.py). Kernel tests run in the interpreter, against float64.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ATOL, make_inputs
+from helpers import ATOL, make_inputs, run_kernel, select
+from test_decode_attention_features import assert_matches_feature_ref
 
+import lean_tp
+from lean_tp.ops.decode_attention.launcher import plan_decode
 from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
 
@@ -17,11 +22,14 @@ from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
 # rope columns are read by QK^T only.
 DQK, DV = 72, 64
 LENS = [0, 1, 15, 16, 17, 70]
+# The kernel's pair; its interpreter entry tiles 64 keys (fp8: 128).
+KERNEL_DQK, KERNEL_DV, TILE = 576, 512, 64
+KERNEL_LENS = [0, 1, TILE - 1, TILE, TILE + 1, 3 * TILE + 5]
 
 
-def _mla_inputs(layout: str, num_q_heads: int, dtype: torch.dtype, seed: int) -> dict:
-    inputs = make_inputs(LENS, num_q_heads, 1, DQK, dtype, layout, seed=seed)
-    inputs["v_cache"] = inputs["k_cache"][..., :DV]  # the same storage: one latent cache
+def _mla_inputs(layout: str, num_q_heads: int, dtype: torch.dtype, seed: int, dqk=DQK, dv=DV, lens=LENS) -> dict:
+    inputs = make_inputs(lens, num_q_heads, 1, dqk, dtype, layout, seed=seed)
+    inputs["v_cache"] = inputs["k_cache"][..., :dv]  # the same storage: one latent cache
     return inputs
 
 
@@ -47,3 +55,100 @@ def test_decode_attention_torch_mla(layout, num_q_heads, dtype):
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=ATOL[dtype])
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=ATOL[torch.float32] * 10)
     assert torch.isneginf(lse[0]).all() and (out[0] == 0).all()  # length 0: no key, empty row
+
+
+@pytest.mark.parametrize(
+    "layout, group, dtype",
+    [
+        ("contiguous", 16, torch.float16),
+        ("paged1", 32, torch.float16),
+        ("paged16", 128, torch.bfloat16),
+        ("paged32", 64, torch.float16),
+        ("paged64", 16, torch.bfloat16),
+    ],
+)
+def test_decode_attention_kernel_mla(layout, group, dtype):
+    """The kernel on a latent cache (V a view of K's rows) against float64: every page size DeepSeek
+    serving uses, groups 16 (TP 8) to 128 (TP 1: 8 row blocks, each reading the latent rows),
+    ragged lengths around the tile."""
+    inputs = _mla_inputs(layout, group, dtype, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    plan = plan_decode(**inputs)
+    assert plan.kernel.features.v_in_k and plan.kernel.constexprs["HEAD_DIM_T"] == KERNEL_DQK - KERNEL_DV
+    out, lse = run_kernel(inputs)
+    assert out.shape == (len(KERNEL_LENS), group, KERNEL_DV)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[dtype])
+
+
+def test_decode_attention_kernel_mla_v_of_its_own():
+    """V a tensor of its own with K's layout but 512 columns (not a view): read apart from K."""
+    inputs = _mla_inputs("paged16", 16, torch.float16, seed=3, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    inputs["v_cache"] = torch.randn(inputs["v_cache"].shape).half()
+    assert not plan_decode(**inputs).kernel.features.v_in_k
+    out, lse = run_kernel(inputs)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("tq", [1, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "paged64"])
+def test_decode_attention_kernel_mla_fp8(layout, tq):
+    """An e4m3 latent cache with one per-tensor scale (as vLLM's and SGLang's fp8 MLA caches keep
+    it) and a bf16 q, with Tq 1 and 4 (MTP drafts, causal among themselves)."""
+    lens = [0, 1, 127, 128, 129, 300]
+    inputs = _mla_inputs(layout, 16, torch.bfloat16, seed=4 + tq, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    if tq > 1:
+        inputs["q"] = torch.randn(len(lens), tq, 16, KERNEL_DQK).bfloat16()
+    latent = (inputs["k_cache"].float() * 8).to(torch.float8_e4m3fn)
+    inputs.update(k_cache=latent, v_cache=latent[..., :KERNEL_DV], k_scale=0.125, v_scale=0.125)
+    out, lse = lean_tp.decode_attention(**inputs, backend="triton", return_lse=True)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+
+
+def test_decode_attention_kernel_mla_features():
+    """Window, softcap and sinks (no MLA model uses them) work on MLA's layout too, with Tq 3."""
+    inputs = _mla_inputs("paged16", 16, torch.float16, seed=5, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    inputs["q"] = torch.randn(len(KERNEL_LENS), 3, 16, KERNEL_DQK).half()
+    inputs.update(window=70, softcap=20.0, sinks=torch.randn(16))
+    out, lse = lean_tp.decode_attention(**inputs, backend="triton", return_lse=True)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.float16])
+
+
+def test_decode_attention_kernel_mla_batch_invariant():
+    """A request's bits alone and among others, on different grids; and against float64."""
+    lens = [3 * TILE + 5, 17, 2 * TILE, 1]
+    inputs = _mla_inputs("paged16", 16, torch.bfloat16, seed=6, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    out, lse = run_kernel(select(inputs, [0, 1, 2, 3]), batch_invariant=True, num_programs=3)
+    alone, alone_lse = run_kernel(select(inputs, [0]), batch_invariant=True, num_programs=4)
+    assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0])
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+
+
+def test_decode_attention_mla_bad_input():
+    """A v_cache neither of K's layout nor narrower than K, a pair without a tuning entry on the
+    Triton backend, and a wrong fp8 scale shape: ValueError naming the argument."""
+    inputs = _mla_inputs("paged16", 16, torch.float16, seed=7)
+    with pytest.raises(ValueError, match=r"v_cache: expected k_cache's shape .* last dim Dv <= 72"):
+        lean_tp.decode_attention(**dict(inputs, v_cache=torch.randn(*inputs["k_cache"].shape[:-1], 80).half()))
+    with pytest.raises(ValueError, match=r"v_cache: expected k_cache's shape"):
+        lean_tp.decode_attention(**dict(inputs, v_cache=inputs["k_cache"][:-1, ..., :DV]))
+    with pytest.raises(ValueError, match=r"v_cache: expected \(K, V\) head dims in \[\(576, 512\)\]"):
+        lean_tp.decode_attention(**inputs, backend="triton")
+    assert lean_tp.decode_attention(**inputs, backend="torch").shape == (len(LENS), 16, DV)
+    kernel = _mla_inputs("contiguous", 16, torch.float32, seed=8, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5])
+    with pytest.raises(ValueError, match=r"float16 or bfloat16 q .* got \(576, 512\) with torch.float32 q"):
+        lean_tp.decode_attention(**kernel, backend="triton")
+    latent = kernel["k_cache"].to(torch.float8_e4m3fn)
+    fp8 = dict(kernel, q=kernel["q"].bfloat16(), k_cache=latent, v_cache=latent[..., :KERNEL_DV], v_scale=0.5)
+    with pytest.raises(ValueError, match=r"k_scale: expected shape \(1,\) \(Hkv\) or \(1,\), got \(2,\)"):
+        lean_tp.decode_attention(**fp8, k_scale=torch.ones(2), backend="triton")
+
+
+def test_decode_attention_mla_opcheck():
+    """The registered op (fake implementation included) with V a view of K's rows, out Dv wide: every
+    check on the torch backend; on the kernel, those that do not trace it (an interpreted kernel
+    cannot be traced, as in test_opcheck_on_the_triton_backend)."""
+    inputs = _mla_inputs("paged16", 16, torch.float16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[0, 5, 70])
+    args = (*(inputs[k] for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad")),)
+    op = torch.ops.lean_tp.decode_attention.default
+    torch.library.opcheck(op, (*args, KERNEL_DQK**-0.5, "torch"))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op, (*args, KERNEL_DQK**-0.5, "triton"), test_utils=utils)

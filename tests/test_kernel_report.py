@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
-from lean_tp.tools.kernel_report import FEATURES, LAYOUTS, REPORT_GROUP, KernelStats, to_markdown
+from lean_tp.tools.kernel_report import FEATURES, LAYOUTS, KernelStats, report_group, to_markdown
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
@@ -44,7 +44,7 @@ def stats() -> list[KernelStats]:
 
 
 def _report_rows(stats):
-    return [s for s in stats if s.group == REPORT_GROUP and not s.leftpad and s.dtype != "bf16"]
+    return [s for s in stats if s.group == report_group(s.head_dim) and not s.leftpad and s.dtype != "bf16"]
 
 
 def test_every_table_entry_compiles_for_every_layout(stats):
@@ -146,13 +146,14 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
         for (a, d, layout), s in rows.items()
         if layout == "contiguous"
     ]
-    assert len(pairs) == 6 and all(paged <= 1.15 * contiguous for paged, contiguous in pairs), pairs
+    assert len(pairs) == 8 and all(paged <= 1.15 * contiguous for paged, contiguous in pairs), pairs
     # Where a 64-key page holds whole blocks (block_n <= 64: D=128, D=256), one page id per block
     # (BLOCK_IN_PAGE) leaves no per-key lookup: 0.87-1.01x contiguous; looked up per key, 1.01-1.10x.
+    # MLA's 576/512 (1.05-1.06x) forms the rope columns' addresses apart from the latent ones'.
     whole = [
         (rows[(a, d, "paged64")].sass_per_iter, s.sass_per_iter)
         for (a, d, layout), s in rows.items()
-        if layout == "contiguous" and s.block_n <= 64
+        if layout == "contiguous" and s.block_n <= 64 and d <= 256
     ]
     assert len(whole) == 4 and all(paged <= 1.02 * contiguous for paged, contiguous in whole), whole
 
@@ -165,7 +166,7 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     converted inside the dot operand's load, V is copied 8 bytes at a time and read byte by byte,
     and the issue share of the fp16-q rows rose to 0.58-0.78 (docs/kernel_report.md). sm_80 e4m3
     is read as words (0.37-0.42; read as bytes, 0.47-0.49)."""
-    rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2")]
+    rows = [s for s in stats if s.arch == arch and s.features in ("fp8_e4m3", "fp8_e5m2") and s.head_dim <= 256]
     assert {s.head_dim for s in rows} >= {64, 128, 256} and len({s.features for s in rows}) == 2, rows
     for s in rows:
         # Cold spills (the stack frame, touched outside the K/V loop): sm_90 D=64 with a bf16 q,
@@ -177,6 +178,24 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
             assert s.programs_per_sm >= 2, s
         if s.head_dim <= 128 and s.dtype == "fp16":
             assert s.issue_share <= 0.45, s
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_mla_kernels_read_each_latent_row_once(stats, arch):
+    """MLA's 576/512 entries, V read from K's tile (``V_IN_K``): the K/V loop copies 576 x elem
+    bytes per key (1152 at 16 bits, 576 fp8), not (576 + 512) x elem; every layout and feature
+    (fp8, Tq 4, the invariant mode, all of them) keeps its K/V loop free of spills, copies the
+    latent columns 16 bytes at a time and holds 2 K/V buffers. The second load width is the rope
+    columns': 8 bytes on sm_80 fp8 (64 bytes a row over 256 threads for 32 keys)."""
+    rows = [s for s in stats if s.arch == arch and s.head_dim == 576]
+    assert {s.layout for s in rows if not s.features} == set(LAYOUTS), rows
+    assert {"fp8_e4m3", "fp8_e5m2"} <= {s.features for s in rows}, rows
+    for s in rows:
+        fp8 = FEATURES[s.features].fp8 is not None
+        assert s.head_dim_v == 512 and s.bytes_per_key == 576 * (1 if fp8 else 2), s
+        assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2 and s.wait_group >= 1, s
+        assert s.v_load_bytes == 16 or (fp8 and arch == "sm80" and s.v_load_bytes == 8), s
+        assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 4 * s.littles_law_bytes, s
 
 
 def test_docs_kernel_report_is_current(stats):
@@ -361,6 +380,29 @@ def test_a_calls_plan_has_the_variant_the_report_compiles(page_size, leftpad, fe
         call["sinks"],
     )
     assert _constexprs(example_args(plan.kernel)) == _constexprs(launched)
+
+
+def test_an_mla_calls_plan_has_the_variant_the_report_compiles():
+    """A latent cache passed as ``kv, kv[..., :512]`` plans the V-in-K variant the report compiles
+    for the 576/512 entries, with the same constexprs; V a tensor of its own plans V loaded apart."""
+    from lean_tp.ops.decode_attention.grid import example_args
+    from lean_tp.ops.decode_attention.launch_args import launch_args, plan_workspace
+    from lean_tp.ops.decode_attention.launcher import plan_decode
+    from lean_tp.ops.decode_attention.plan import Features
+
+    q = torch.randn(2, 16, 576).half()
+    kv = torch.randn(8, 16, 1, 576).half()
+    lens = torch.tensor([5, 40], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    plan = plan_decode(q, kv, kv[..., :512], lens, table)
+    assert plan.kernel.features == Features(v_in_k=True) and plan.kernel.head_dim_v == 512
+    out = torch.empty(2, 1, 16, 512).half()
+    launched = launch_args(
+        plan, q[:, None], kv, kv[..., :512], lens, None, table, out, torch.empty(2, 1, 16), plan_workspace(plan, "cpu"),
+        lens, 0.1,
+    )  # fmt: skip
+    assert _constexprs(example_args(plan.kernel)) == _constexprs(launched)
+    assert not plan_decode(q, kv, kv[..., :512].clone(), lens, table).kernel.features.v_in_k
 
 
 def test_plan_sizes_the_grid_for_the_calls_variant(monkeypatch):

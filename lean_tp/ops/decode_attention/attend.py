@@ -138,6 +138,7 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
 @triton.jit
 def attend_segment(
     b_q,
+    b_qt,
     k_ptr,
     v_ptr,
     bt_ptr,
@@ -169,10 +170,16 @@ def attend_segment(
     SOFTCAP: tl.constexpr,
     E4M3_BITS: tl.constexpr,
     BLOCK_IN_PAGE: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
-    Key i sits at cache position n_base + i. With ROW_MASK (several query tokens) row g sees only
+    Key i sits at cache position n_base + i. V has HEAD_DIM columns, K those and HEAD_DIM_T more
+    (MLA's rope dims; b_qt holds q's, ``rows.load_q``): the score takes both dots. With V_IN_K, V
+    is K's first HEAD_DIM columns (a latent cache): the K tile loaded for the score is the V tile,
+    so each key's row is read once for both products. With ROW_MASK (several query tokens) row g sees only
     keys [b_lo[g], b_hi[g]), so a row may see none of a block or of the whole range: its m stays
     -inf and its l 0, and its exponentials are taken against 0 instead of -inf. Without it every
     row sees every key, and the caller guarantees n_lo < n_hi, so m is finite after the first block.
@@ -202,18 +209,21 @@ def attend_segment(
         o_row, o_pos = _kv_index(
             bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, num_pages, PAGED, PAGE_SIZE, BLOCK_IN_PAGE
         )
-        p_k = (
-            k_ptr
-            + (o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh)[:, None]
-            + o_d[None, :]
-        )
+        o_k = o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh
+        p_k = k_ptr + o_k[:, None] + o_d[None, :]
         p_v = (
             v_ptr
             + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None]
             + o_d[None, :]
         )
         b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        if HEAD_DIM_T > 0:
+            o_dt = tl.arange(0, BLOCK_DT // PER_COL)
+            p_kt = k_ptr + o_k[:, None] + (HEAD_DIM // PER_COL + o_dt)[None, :]
+            b_kt = _upcast(load_rows(p_kt, m_n, o_dt, HEAD_DIM_T // PER_COL, BLOCK_DT // PER_COL), b_q.dtype, E4M3_BITS)
+            b_s = tl.dot(b_qt, tl.trans(b_kt), b_s, input_precision=DOT_PRECISION)
+        b_s = b_s * qk_scale
         if SOFTCAP:
             b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
         if ROW_MASK:
@@ -226,7 +236,10 @@ def attend_segment(
         b_alpha = tl.exp2(b_m - b_m_ref)
         b_p = tl.exp2(b_s - b_m_ref[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        if V_IN_K:
+            b_v = b_k
+        else:
+            b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
     if PAGED:

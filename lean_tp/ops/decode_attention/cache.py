@@ -7,6 +7,10 @@ Two layouts, told apart by whether a block table comes with the cache:
   is a page, and token ``n`` of sequence ``b`` is slot ``n % page_size`` of page
   ``block_table[b, n // page_size]``.
 
+V's head dim may be below K's (MLA's latent cache): ``v_cache`` is then either a tensor of K's
+shape but its last dim, or ``k_cache[..., :Dv]``, a view of K's own rows (``is_prefix_view``),
+which the kernel reads once for both products.
+
 Everything else (input checks, the launcher, the torch backend, the float64 reference, the
 tests) reads heads, page size, capacity and strides from here instead of deriving them again.
 """
@@ -26,12 +30,13 @@ SHAPES = {False: "(B, Hkv, S_max, D)", True: "(num_pages, page_size, Hkv, D) wit
 class CacheLayout:
     paged: bool
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # K's
     page_size: int | None  # None for a contiguous cache
     capacity: int  # most tokens one sequence can hold
     dtype: torch.dtype
     k_strides: tuple[int, int, int]  # (row, token, head), in elements
     v_strides: tuple[int, int, int]
+    head_dim_v: int  # V's: head_dim, or less
 
     @classmethod
     def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None) -> CacheLayout:
@@ -48,6 +53,7 @@ class CacheLayout:
             dtype=k_cache.dtype,
             k_strides=tuple(k_cache.stride(d) for d in dims),
             v_strides=tuple(v_cache.stride(d) for d in dims),
+            head_dim_v=v_cache.shape[-1],
         )
 
     def viewed_as(self, dtype: torch.dtype) -> CacheLayout:
@@ -58,10 +64,25 @@ class CacheLayout:
         return dataclasses.replace(
             self,
             head_dim=self.head_dim // ratio,
+            head_dim_v=self.head_dim_v // ratio,
             dtype=dtype,
             k_strides=scale(self.k_strides),
             v_strides=scale(self.v_strides),
         )
+
+
+def is_prefix_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether v_cache is ``k_cache[..., :Dv]`` with Dv below K's head dim: K's storage at K's
+    offset and strides, so each of its rows is the start of K's (one tensor passed as both K and V
+    is read as two, like any pair). Reads metadata only: fake tensors keep their views' aliasing,
+    but Dynamo cannot trace the alias test, so only the op's plan asks (``launcher.plan_decode``)."""
+    return (
+        v_cache.shape[-1] < k_cache.shape[-1]
+        and torch._C._is_alias_of(v_cache, k_cache)
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.storage_offset() == k_cache.storage_offset()
+        and v_cache.stride() == k_cache.stride()
+    )
 
 
 def valid_keys(

@@ -95,10 +95,9 @@ def check_inputs(
             raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {cache.device}")
         if cache.stride(-1) != 1:
             raise ValueError(f"{name}: expected stride(-1) == 1, got strides {cache.stride()}")
-        if cache.shape[-1] != head_dim:
-            raise ValueError(f"{name}: expected head_dim {head_dim} (q's last dim), got shape {tuple(cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"k_cache: expected head_dim {head_dim} (q's last dim), got shape {tuple(k_cache.shape)}")
+    _check_v_shape(k_cache, v_cache)
     if paged:
         _check_paged(block_table, k_cache, batch, q.device)
     layout = CacheLayout.of(k_cache, v_cache, block_table)
@@ -124,6 +123,17 @@ def check_inputs(
         max_span = span_limit(window, q.shape[1] if q.dim() == 4 else 1)
         _check_values(layout, k_cache.shape[0], cache_seqlens, block_table, cache_leftpad, max_span)
     return layout
+
+
+def _check_v_shape(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """V has K's shape, or K's shape with a smaller last dim (V's head dim below K's, as MLA's
+    ``k_cache[..., :Dv]``, ``cache.is_prefix_view``)."""
+    k_shape, v_shape = tuple(k_cache.shape), tuple(v_cache.shape)
+    if v_shape[:-1] != k_shape[:-1] or not 0 < v_shape[-1] <= k_shape[-1]:
+        raise ValueError(
+            f"v_cache: expected k_cache's shape {k_shape} with a last dim Dv <= {k_shape[-1]} (a tensor of its own, "
+            f"or k_cache[..., :Dv] for a latent cache), got shape {v_shape}"
+        )
 
 
 def _layout_hint(k_cache: torch.Tensor, batch: int, num_q_heads: int) -> str:
@@ -297,10 +307,16 @@ def _check_page_ids(
         )
 
 
-def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why the Triton kernel cannot take a call on ``device`` with this head_dim and (q's) dtype,
-    or None. The kernel implements every feature of the op (``plan.Features``), so only the
-    device, head dim and dtype decide.
+def kernel_support(
+    device: torch.device,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    head_dim_v: int | None = None,
+) -> str | None:
+    """Why the Triton kernel cannot take a call on ``device`` with this head_dim (K's; V's
+    ``head_dim_v`` when smaller), q's dtype and the cache's, or None. The kernel implements every
+    feature of the op (``plan.Features``), so only the device, head dims and dtypes decide.
 
     The one home of that rule: the op's dispatch, the transformers integration, the simulator and
     the tensor-parallel grid report all ask here.
@@ -311,18 +327,25 @@ def kernel_support(device: torch.device, head_dim: int, dtype: torch.dtype) -> s
             "expected TRITON_INTERPRET=1 set before lean_tp is imported, got it unset"
         )
     try:
-        get_config(device, head_dim, dtype)
+        get_config(device, head_dim, dtype, cache_dtype, head_dim_v)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def uses_triton(device: torch.device, head_dim: int, dtype: torch.dtype, backend: str) -> bool:
+def uses_triton(
+    device: torch.device,
+    head_dim: int,
+    dtype: torch.dtype,
+    backend: str,
+    cache_dtype: torch.dtype | None = None,
+    head_dim_v: int | None = None,
+) -> bool:
     """Which implementation a call runs; raises ``ValueError`` when "triton" is asked for (or "auto"
     on CUDA) and the kernel cannot take the call."""
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return False
-    reason = kernel_support(device, head_dim, dtype)
+    reason = kernel_support(device, head_dim, dtype, cache_dtype, head_dim_v)
     if reason is not None:
         raise ValueError(reason)
     return True

@@ -102,9 +102,10 @@ def example_args(variant: KernelVariant, device: torch.device | str = "meta") ->
     else:
         shape = (batch * pages, variant.page_size, num_kv_heads, variant.head_dim)
     cache = torch.empty(shape, dtype=cache_dtype, device=device)
-    v_cache = cache
+    head_dim_v = variant.head_dim_v or variant.head_dim
+    v_cache = cache[..., :head_dim_v]  # V_IN_K reads it from K's tile; other variants as a tensor of its own
     if f.kv_strides_differ:  # V's rows twice as far apart: every other row of an allocation
-        v_cache = torch.empty(2 * shape[0], *shape[1:], dtype=cache_dtype, device=device)[::2]
+        v_cache = torch.empty(2 * shape[0], *shape[1:], dtype=cache_dtype, device=device)[::2, ..., :head_dim_v]
     lens = torch.empty(batch, dtype=torch.int32, device=device)
     table = lens.new_empty(batch, pages) if variant.page_size is not None else None
     layout = CacheLayout.of(cache, v_cache, table)
@@ -131,7 +132,7 @@ def example_args(variant: KernelVariant, device: torch.device | str = "meta") ->
         lens,
         lens if f.leftpad else None,
         table,
-        torch.empty_like(q),
+        q.new_empty(*q.shape[:-1], head_dim_v),
         torch.empty(q.shape[:-1], device=device),
         plan_workspace(plan, device),
         lens,

@@ -162,6 +162,7 @@ def _finish_group(
 @triton.jit
 def attend_invariant(
     b_q,
+    b_qt,
     k_ptr,
     v_ptr,
     bt_ptr,
@@ -211,6 +212,9 @@ def attend_invariant(
     BLOCK_IN_PAGE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     IGROUP: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of an output of
     n_tiles chunks; n_rows real rows): each chunk attended from a fresh state and folded as this
@@ -226,6 +230,7 @@ def attend_invariant(
     for c in range(tile, tile + seg_n):
         c_acc, c_m, c_l = attend_segment(
             b_q,
+            b_qt,
             k_ptr,
             v_ptr,
             bt_ptr,
@@ -257,6 +262,9 @@ def attend_invariant(
             SOFTCAP,
             E4M3_BITS,
             BLOCK_IN_PAGE,
+            HEAD_DIM_T,
+            BLOCK_DT,
+            V_IN_K,
         )
         if HAS_SCALES:
             c_acc = c_acc * v_scale

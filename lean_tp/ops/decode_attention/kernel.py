@@ -94,6 +94,9 @@ def decode_attention_fwd_kernel(
     TQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_IN_K: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -119,7 +122,9 @@ def decode_attention_fwd_kernel(
 ):
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
-    seqlens_ptr holds each sequence's number of valid keys; with HAS_LEFTPAD they start at cache
+    Head dims: q and K have HEAD_DIM + HEAD_DIM_T columns, V and out HEAD_DIM (HEAD_DIM_T > 0:
+    MLA's latent + rope row, ``attend_segment``); V_IN_K: V is K's first HEAD_DIM columns, read
+    from K's tile. seqlens_ptr holds each sequence's number of valid keys; with HAS_LEFTPAD they start at cache
     position leftpad_ptr[b] instead of 0 (left-padded batches). Only the last min(len, max_span)
     of them (the span) are tiled and read: max_span is window + TQ - 1 with a window. qk_scale
     turns q.k into the log2-domain score (see ``attend_segment`` for SOFTCAP); with HAS_SCALES (fp8) it
@@ -156,7 +161,23 @@ def decode_attention_fwd_kernel(
     # The first segment is placed by one search; each later one is the next head unit, whose
     # place, base and q are requested before the current segment's result is stored or merged.
     b, hu, tile, seq_len = locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
-    b_q = load_q(q_ptr, b, hu, t0 < t1, stride_qb, stride_qt, stride_qh, GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC)
+    b_q, b_qt = load_q(
+        q_ptr,
+        b,
+        hu,
+        t0 < t1,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        GROUP,
+        TQ,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_G,
+        NUM_GC,
+        HEAD_DIM_T,
+        BLOCK_DT,
+    )
     n_base = seq_base(leftpad_ptr, b, t0 < t1, HAS_LEFTPAD)
     t = t0
     slot = 0  # workspace slot of this segment's partial: 0 for the program's first segment, else 1
@@ -172,6 +193,7 @@ def decode_attention_fwd_kernel(
         if INVARIANT:
             do_store, b_acc, b_m, b_l = attend_invariant(
                 b_q,
+                b_qt,
                 k_ptr,
                 v_ptr,
                 bt_ptr,
@@ -221,10 +243,14 @@ def decode_attention_fwd_kernel(
                 BLOCK_IN_PAGE,
                 HAS_SCALES,
                 IGROUP,
+                HEAD_DIM_T,
+                BLOCK_DT,
+                V_IN_K,
             )
         else:
             b_acc, b_m, b_l = attend_segment(
                 b_q,
+                b_qt,
                 k_ptr,
                 v_ptr,
                 bt_ptr,
@@ -256,12 +282,29 @@ def decode_attention_fwd_kernel(
                 SOFTCAP,
                 E4M3_BITS,
                 BLOCK_IN_PAGE,
+                HEAD_DIM_T,
+                BLOCK_DT,
+                V_IN_K,
             )
             if HAS_SCALES:
                 b_acc = b_acc * kv_scale(v_scale_ptr, h_kv, stride_vs, HAS_SCALES, E4M3_BITS)
         nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, seg_end < t1)
-        b_q = load_q(
-            q_ptr, nb, nhu, seg_end < t1, stride_qb, stride_qt, stride_qh, GROUP, TQ, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC
+        b_q, b_qt = load_q(
+            q_ptr,
+            nb,
+            nhu,
+            seg_end < t1,
+            stride_qb,
+            stride_qt,
+            stride_qh,
+            GROUP,
+            TQ,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_G,
+            NUM_GC,
+            HEAD_DIM_T,
+            BLOCK_DT,
         )
         n_base_next = seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
         if not INVARIANT:

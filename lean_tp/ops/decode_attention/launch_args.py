@@ -145,7 +145,7 @@ def alloc_workspace(
     num_programs: int, block_g: int, head_dim: int, device: torch.device | str, group_slots: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials of two segments per program: acc (G, 2, BLOCK_G, BLOCK_D) and (m, l) (G, 2, 2, BLOCK_G),
-    fp32; BLOCK_D is head_dim padded as the kernel pads it. Its size depends on the grid alone,
+    fp32; BLOCK_D is head_dim (V's) padded as the kernel pads it. Its size depends on the grid alone,
     never on lengths: a program contributes partials to at most two outputs, the one its range
     starts in and the one it ends in.
 
@@ -165,7 +165,7 @@ def alloc_workspace(
 
 def plan_workspace(plan: DecodePlan, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``alloc_workspace`` for a Triton plan."""
-    return alloc_workspace(plan.num_programs, plan.kernel.block_g, plan.head_dim, device, plan.group_slots)
+    return alloc_workspace(plan.num_programs, plan.kernel.block_g, plan.layout.head_dim_v, device, plan.group_slots)
 
 
 def check_workspace(workspace: object, plan: DecodePlan) -> None:
@@ -177,5 +177,5 @@ def check_workspace(workspace: object, plan: DecodePlan) -> None:
     if got != expected or not all(w.is_contiguous() for w in parts):
         raise ValueError(
             f"workspace: expected contiguous tensors (shape, dtype) {expected} (alloc_workspace({plan.num_programs}, "
-            f"{plan.kernel.block_g}, {plan.head_dim}, group_slots={plan.group_slots})), got {got}"
+            f"{plan.kernel.block_g}, {plan.layout.head_dim_v}, group_slots={plan.group_slots})), got {got}"
         )

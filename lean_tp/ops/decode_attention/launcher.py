@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import triton
 
-from lean_tp.ops.decode_attention.cache import valid_keys
+from lean_tp.ops.decode_attention.cache import is_prefix_view, valid_keys
 from lean_tp.ops.decode_attention.checks import check_inputs, uses_triton
 from lean_tp.ops.decode_attention.grid import grid_size, sm_count
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
@@ -92,11 +92,14 @@ def plan_decode(
         leftpad=cache_leftpad is not None,
         kv_strides_differ=layout.k_strides != layout.v_strides,
         batch_invariant=batch_invariant,
+        v_in_k=is_prefix_view(v_cache, k_cache),
     )
     plan = DecodePlan(q.shape[0], q.shape[-2], q.shape[-1], q.dtype, q.device, layout, features, window)
-    if not uses_triton(q.device, q.shape[-1], q.dtype, backend):
+    if not uses_triton(q.device, q.shape[-1], q.dtype, backend, features.fp8, layout.head_dim_v):
         return plan
-    kernel = KernelVariant(arch_of(q.device), q.dtype, q.shape[-1], plan.group, layout.page_size, features, config)
+    kernel = KernelVariant(
+        arch_of(q.device), q.dtype, q.shape[-1], plan.group, layout.page_size, features, config, layout.head_dim_v
+    )
     if num_programs is None:
         num_programs, num_sms = grid_size(q.device, kernel), num_sms or sm_count(q.device)
     num_sms = num_sms or num_programs
@@ -138,6 +141,7 @@ def decode_attention_fwd(
         q: (B, Hq, D) or (B, Tq, Hq, D).
         k_cache, v_cache: (B, Hkv, S_max, D) with ``stride(-1) == 1``, or paged
             (num_pages, page_size, Hkv, D) together with ``block_table``; q's dtype or fp8.
+            v_cache's last dim Dv may be below D (``cache.py``: MLA's ``k_cache[..., :Dv]``).
         cache_seqlens: (B,) int32.
         block_table: (B, max_pages_per_seq) int32 or None.
         softmax_scale: multiplier of q.k.
@@ -162,7 +166,7 @@ def decode_attention_fwd(
         launch: wraps the kernel before launch (``torch.library.wrap_triton`` under the op).
 
     Returns:
-        out in q's shape and dtype, and lse float32 in q's shape without D, natural log.
+        out in q's shape with last dim Dv, q's dtype; lse float32 in q's shape without D, natural log.
     """
     if plan is not None and (config, num_programs, num_sms) != (None, None, None):
         raise ValueError(
@@ -190,7 +194,8 @@ def decode_attention_fwd(
     q4 = q if q.dim() == 4 else q[:, None]
     if q4.stride(-1) != 1:
         q4 = q4.contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if out is None:
+        out = q.new_empty(*q.shape[:-1], plan.layout.head_dim_v)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32) if lse is None else lse
     if not (out.is_contiguous() and lse.is_contiguous()):
         raise ValueError(f"out, lse: expected contiguous tensors, got strides {out.stride()} and {lse.stride()}")
@@ -212,7 +217,7 @@ def decode_attention_fwd(
         cache_seqlens,
         cache_leftpad,
         block_table,
-        out.view(q4.shape),
+        out.view(*q4.shape[:-1], plan.layout.head_dim_v),
         lse.view(q4.shape[:-1]),
         workspace,
         counters,

@@ -126,7 +126,7 @@ def _(
         softmax_scale,
     )
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1]), lse
 
 
 def decode_attention(
@@ -154,7 +154,9 @@ def decode_attention(
         k_cache, v_cache: contiguous (B, Hkv, S_max, D), any strides with ``stride(-1) == 1``;
             or paged (num_pages, page_size, Hkv, D) together with ``block_table``.
             q's dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) with an fp16/bf16 q and scales.
-            Same device as q; Hq must be a multiple of Hkv.
+            Same device as q; Hq must be a multiple of Hkv. v_cache's last dim Dv may be below
+            D (MLA, docs/mla.md): a tensor of K's shape but its last dim, or
+            ``k_cache[..., :Dv]``, whose values the kernel reads from K's rows.
         cache_seqlens: (B,) int32 on q's device, counting the new tokens: query t sits at
             position ``cache_seqlens[b] - Tq + t`` and sees the keys up to and including it.
             Values are clamped to ``[0, capacity]`` (and ``cache_leftpad`` to ``[0, cache_seqlens]``)
@@ -165,7 +167,8 @@ def decode_attention(
         softmax_scale: multiplier of q.k; default ``1 / sqrt(D)``.
         return_lse: also return lse (see Returns).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``. The
-            Triton backend takes head dims that are multiples of 8 up to 256; the torch backend any.
+            Triton backend takes head dims that are multiples of 8 up to 256, and (D, Dv) =
+            (576, 512) with a 16-bit q; the torch backend any.
         k_scale, v_scale: fp8 caches only (required there): the value used is
             ``cache.float() * scale``; a float, or a float32 tensor on q's device of shape (Hkv,)
             (per KV head) or (1,) (per tensor, as vLLM keeps it).
@@ -179,7 +182,7 @@ def decode_attention(
             rounding.
 
     Returns:
-        out in q's shape and dtype, or (out, lse) when ``return_lse``; lse is float32, q's shape
+        out in q's shape (last dim Dv) and dtype, or (out, lse) when ``return_lse``; lse is float32, q's shape
         without D, the natural log of the softmax denominator (``-inf`` when a query sees no key
         and there are no sinks).
     """

@@ -49,6 +49,8 @@ class Features:
     kv_strides_differ: bool = False
     # Each output's bits depend on its own inputs alone (``invariant.py``), not on the batch.
     batch_invariant: bool = False
+    # V is K's first columns (``cache.is_prefix_view``): the kernel takes V from K's tile.
+    v_in_k: bool = False
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
@@ -76,10 +78,13 @@ class KernelVariant:
     page_size: int | None  # None for a contiguous cache
     features: Features = Features()
     config: DecodeConfig | None = None  # None: the tuning-table entry
+    head_dim_v: int | None = None  # V's head dim when below K's ``head_dim``
 
     def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)
         if self.config is None:
-            entry = config_for(self.arch, self.head_dim, self.dtype, self.features.fp8)
+            entry = config_for(self.arch, self.head_dim, self.dtype, self.features.fp8, self.head_dim_v)
             object.__setattr__(self, "config", entry)
 
     @functools.cached_property
@@ -88,13 +93,18 @@ class KernelVariant:
         config, f = self.config, self.features
         rows = f.num_tokens * self.group
         block_g = block_g_for(rows, config)
-        block_d = padded_head_dim(self.head_dim)
+        head_dim_v = self.head_dim_v or self.head_dim
+        block_d = padded_head_dim(head_dim_v)
+        tail = self.head_dim - head_dim_v  # K's columns past V's
         paged = self.page_size is not None
         return {
             "GROUP": self.group,
             "TQ": f.num_tokens,
-            "HEAD_DIM": self.head_dim,
+            "HEAD_DIM": head_dim_v,
             "BLOCK_D": block_d,
+            "HEAD_DIM_T": tail,
+            "BLOCK_DT": padded_head_dim(tail) if tail else 0,
+            "V_IN_K": f.v_in_k,
             "BLOCK_G": block_g,
             "NUM_GC": math.ceil(rows / block_g),
             "BLOCK_N": config.block_n,
@@ -138,7 +148,7 @@ class DecodePlan:
 
     batch: int
     num_q_heads: int
-    head_dim: int
+    head_dim: int  # q's and K's; V's and out's is ``layout.head_dim_v``
     dtype: torch.dtype  # q's
     device: torch.device
     layout: CacheLayout

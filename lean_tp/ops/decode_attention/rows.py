@@ -137,16 +137,25 @@ def load_q(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
 ):
-    """The query rows of head unit hu of sequence b ([BLOCK_G, BLOCK_D] in q's dtype, fp32 for bf16 in
-    the interpreter; zero past the rows and past HEAD_DIM), or nothing loaded when not ``valid``."""
+    """The query rows of head unit hu of sequence b, or nothing loaded when not ``valid``: b_q
+    [BLOCK_G, BLOCK_D], q's first HEAD_DIM columns (V's head dim), and b_qt [BLOCK_G, BLOCK_DT],
+    its HEAD_DIM_T columns after them (K's columns past V's; b_q again when there are none). In
+    q's dtype (fp32 for bf16 in the interpreter), zero past the rows and the columns."""
     o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
     o_d = tl.arange(0, BLOCK_D)
     o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
     b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
     if BF16_DOTS_IN_FP32 and b_q.dtype == tl.bfloat16:
         b_q = b_q.to(tl.float32)
-    return b_q
+    b_qt = b_q
+    if HEAD_DIM_T > 0:
+        o_dt = tl.arange(0, BLOCK_DT)
+        b_qt = load_rows(q_ptr + o_q[:, None] + (HEAD_DIM + o_dt)[None, :], m_g & valid, o_dt, HEAD_DIM_T, BLOCK_DT)
+        b_qt = b_qt.to(b_q.dtype)
+    return b_q, b_qt
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """The one table of tuning constants for the decode kernel, each with the reason it holds.
 
 A configuration is chosen by (architecture, padded head_dim, element size of the cache: 1 for
-fp8, 2 for fp16/bf16, 4 for fp32; an fp8 cache always comes with a 16-bit q). ``arch`` is ``"sm80"`` for
+fp8, 2 for fp16/bf16, 4 for fp32; an fp8 cache always comes with a 16-bit q). A V head dim below
+K's (MLA) has its own entries, keyed by K's head dim and naming V's (``DecodeConfig.head_dim_v``). ``arch`` is ``"sm80"`` for
 Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
 nothing is timed and only correctness matters.
 
@@ -50,6 +51,9 @@ class DecodeConfig:
     # it to ptxas. Larger row blocks hold 2-4x the accumulators and would spill in the K/V loop
     # under the cap. See _REGS.
     max_registers: int | None = None
+    # V's head dim when it is below K's (MLA: a 576-dim latent + rope row as K, its first 512 dims
+    # as V); None for equal head dims. The table's key names K's head dim.
+    head_dim_v: int | None = None
 
     def compile_options(self, paged: bool, block_g: int) -> dict[str, int]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
@@ -167,6 +171,23 @@ _FITS = "; programs/SM cap: what fits (kernel report), not timed"
 _FP8 = "fp8: the 16-bit entry"
 _REGS = "; at most 128 registers: 2 programs/SM (kernel report)"
 _REGS90 = "; at most 168 registers: 3 programs/SM for every layout and feature (kernel report)"
+
+# MLA decode (DeepSeek-V2/V3, Kimi-K2): one latent KV head of 576 dims (512 latent + 64 rope) read
+# by 16 (TP 8) to 128 (TP 1) query heads, V its first 512 dims, read from K's tile (V_IN_K): 1152
+# bytes a key at 16 bits (kernel report: 144 bytes copied per thread per 32-key iteration at 8
+# warps; 2176 when V is a tensor of its own). 64-key tiles hold 72 KB of latent rows, the bytes of
+# a D=128 fp16 tile of 128 keys (see _PAPER_D128).
+_MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-key tile"
+# q's 16 x 576 row block is every warp's dot operand (144 registers a thread: a warp computes a
+# slice of keys against all of q) and the accumulator is 16 x 512 fp32. At 4 warps that takes 255
+# registers and spills in the K/V loop (sm_90 paged16: 24 local accesses per iteration); at 8, 172-
+# 219 registers and no spill, 1 program/SM with 2 K/V buffers of 36 KB, 4x what Little's law asks
+# of an SM. 32-row blocks (group 128, Tq 4 x 16) spill in the loop on sm_90 (8-9 per iteration)
+# even at 8 warps, so larger groups take more row blocks (group 128: 8, each reading the latent
+# rows; concurrent programs read the same tiles, see docs/mla.md).
+_MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
+_MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
+_MLA_FP8 = "MLA 576/512 fp8: 128-key tiles = 72 KB, twice the 16-bit entry's keys"
 
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
@@ -453,6 +474,77 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         max_programs_per_sm=1,
         reason="interpreter: mirrors the GPU D=256 entry",
     ),
+    # MLA: K the 576-dim latent + rope row, V its first 512 dims (see _MLA).
+    ("sm80", 576, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        head_dim_v=512,
+        reason=_MLA + _MLA_ROWS + _AHEAD,
+    ),
+    ("sm90", 576, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        head_dim_v=512,
+        reason=_MLA + _MLA_ROWS + _STAGES + _AHEAD,
+    ),
+    ("sm80", 576, 1): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        head_dim_v=512,
+        reason=_MLA + _MLA_ROWS + _MLA_FP8_SM80 + _AHEAD,
+    ),
+    ("sm90", 576, 1): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=16,
+        num_warps=8,
+        num_stages=3,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        paged_stages=5,
+        head_dim_v=512,
+        reason=_MLA_FP8 + _MLA_ROWS + _FP8_BLOCKS + _AHEAD,
+    ),
+    ("interp", 576, 2): DecodeConfig(
+        tile_n=64,
+        block_n=32,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        head_dim_v=512,
+        reason="interpreter: mirrors the sm90 MLA entry, untimed",
+    ),
+    ("interp", 576, 1): DecodeConfig(
+        tile_n=128,
+        block_n=64,
+        max_block_g=16,
+        num_warps=4,
+        num_stages=1,
+        max_programs_per_sm=1,
+        merge_wave_elems=8192,
+        head_dim_v=512,
+        reason="interpreter: mirrors the sm90 MLA fp8 entry, untimed",
+    ),
 }
 
 # The kernel takes any head_dim that is a multiple of 8 up to 256 (a 16-byte row of 16-bit values),
@@ -477,11 +569,16 @@ def arch_of(device: torch.device) -> str:
 
 
 def get_config(
-    device: torch.device, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+    device: torch.device,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    head_dim_v: int | None = None,
 ) -> DecodeConfig:
     """The tuning-table entry for a problem on ``device`` (``dtype``: q's; ``cache_dtype``: the
-    cache's, when not q's); ``ValueError`` for a head_dim the kernel does not take."""
-    return config_for(arch_of(device), head_dim, dtype, cache_dtype)
+    cache's, when not q's; ``head_dim_v``: V's, when not K's ``head_dim``); ``ValueError`` for
+    head dims the kernel does not take."""
+    return config_for(arch_of(device), head_dim, dtype, cache_dtype, head_dim_v)
 
 
 def kernel_takes_head_dim(head_dim: int) -> bool:
@@ -489,12 +586,32 @@ def kernel_takes_head_dim(head_dim: int) -> bool:
     return 0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0
 
 
-def config_for(arch: str, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+def head_dim_pairs() -> list[tuple[int, int]]:
+    """The (K, V) head dim pairs with V's below K's that the table has entries for."""
+    return sorted({(key[1], c.head_dim_v) for key, c in TUNING_TABLE.items() if c.head_dim_v is not None})
+
+
+def paired_head_dim_v(head_dim: int) -> int | None:
+    """V's head dim of the table's entries for K head dim ``head_dim`` when it is below it (576:
+    512), else None."""
+    return next((v for k, v in head_dim_pairs() if k == head_dim), None)
+
+
+def config_for(
+    arch: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    head_dim_v: int | None = None,
+) -> DecodeConfig:
     """The tuning-table entry for an architecture key (the simulator asks for GPUs it does not have).
 
     ``dtype`` is q's dtype, ``cache_dtype`` the cache's when it is not q's (fp8: converted to q's
     16-bit dtype after loading, so its kernel has the 16-bit dots, and half the bytes per key).
+    ``head_dim`` is K's (and q's), ``head_dim_v`` V's when it differs: such a pair needs its own entry.
     """
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return _pair_config(arch, head_dim, head_dim_v, dtype, cache_dtype)
     if not kernel_takes_head_dim(head_dim):
         raise ValueError(
             f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the Triton backend, "
@@ -513,3 +630,17 @@ def block_g_for(rows: int, config: DecodeConfig) -> int:
     ``tl.dot``, at most ``max_block_g`` (more rows take more row blocks)."""
     padded = max(16, 1 << (rows - 1).bit_length())
     return min(padded, config.max_block_g)
+
+
+def _pair_config(
+    arch: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, cache_dtype: torch.dtype | None
+) -> DecodeConfig:
+    """The entry for K head dim ``head_dim`` and a smaller V head dim ``head_dim_v``."""
+    config = TUNING_TABLE.get((arch, head_dim, (cache_dtype or dtype).itemsize))
+    if config is None or config.head_dim_v != head_dim_v or dtype.itemsize != 2:
+        raise ValueError(
+            f"v_cache: expected (K, V) head dims in {head_dim_pairs()} with a float16 or bfloat16 q for the Triton "
+            f"backend, got ({head_dim}, {head_dim_v}) with {dtype} q and {cache_dtype or dtype} caches "
+            "(the torch backend takes any)"
+        )
+    return config

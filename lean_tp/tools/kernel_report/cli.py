@@ -7,7 +7,7 @@ import json
 
 from lean_tp import cli
 from lean_tp.ops.decode_attention.tuning import DecodeConfig
-from lean_tp.tools.kernel_report.report import REPORT_GROUP, report_jobs, run_report, sample_jobs, to_markdown
+from lean_tp.tools.kernel_report.report import report_group, report_jobs, run_report, sample_jobs, to_markdown
 
 
 def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
@@ -49,5 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))
     else:
-        print(to_markdown([r for r in rows if r.group == REPORT_GROUP and not r.leftpad and r.dtype != "bf16"]), end="")
+        print(
+            to_markdown(
+                [r for r in rows if r.group == report_group(r.head_dim) and not r.leftpad and r.dtype != "bf16"]
+            ),
+            end="",
+        )
     return 0

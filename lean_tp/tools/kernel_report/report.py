@@ -12,11 +12,12 @@ from triton.backends.compiler import GPUTarget
 
 from lean_tp.ops.decode_attention import Features, KernelVariant
 from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
-from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for, paired_head_dim_v
 from lean_tp.tools.gpus import GPUS, GPUModel
 from lean_tp.tools.kernel_report.sass import (
     dump,
     kv_buffers,
+    kv_copy_bytes,
     kv_load_bytes,
     kv_loop_of_sass,
     merge_loop_of_sass,
@@ -28,6 +29,9 @@ from lean_tp.tools.processes import map_in_processes
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
+MLA_GROUP = 16  # DeepSeek-V3's 128 query heads per latent head over TP 8
+# The serving features compiled for MLA's entries (one latent head: fp8 and MTP drafts matter).
+MLA_FEATURES = ("fp8_e4m3", "fp8_e5m2", "tq4", "invariant", "all")
 E4M3 = torch.float8_e4m3fn
 # The serving-feature variants the report compiles, by name; "" is one-token decode.
 FEATURES = {
@@ -74,6 +78,18 @@ class KernelStats:
     merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
     page_id_loads: int = 0  # block-table loads per thread in one K/V-loop iteration (paged only)
     page_ids_read_same_iter: int = 0  # of them, read in the iteration that issues them
+    kv_copy_bytes: int = 0  # K/V bytes one thread copies per K/V-loop iteration (``sass.kv_copy_bytes``)
+
+    @property
+    def head_dim_v(self) -> int:
+        """V's head dim: the entry's (MLA: 512, read from K's tile), else K's."""
+        return paired_head_dim_v(self.head_dim) or self.head_dim
+
+    @property
+    def bytes_per_key(self) -> float:
+        """K/V bytes the compiled loop copies per key: 2 x D x elem for K and V apart, Dqk x elem
+        when V is read from K's tile (MLA: 1152 at 16 bits)."""
+        return self.kv_copy_bytes * self.num_warps * 32 / self.block_n
 
     @property
     def gpu(self) -> GPUModel:
@@ -85,7 +101,8 @@ class KernelStats:
         """K and V bytes one K/V-loop iteration reads (BLOCK_N keys of each)."""
         fp8 = FEATURES[self.features].fp8
         elem = fp8.itemsize if fp8 is not None else DTYPES[self.dtype].itemsize
-        return 2 * self.block_n * self.head_dim * elem
+        v_dims = 0 if self.head_dim_v < self.head_dim else self.head_dim  # MLA: V is in K's row
+        return self.block_n * (self.head_dim + v_dims) * elem
 
     @property
     def issue_share(self) -> float:
@@ -110,7 +127,7 @@ class KernelStats:
         return round(gpu.hbm_tbps * 1e12 / gpu.sms * gpu.hbm_latency_us * 1e-6)
 
     def as_json(self) -> dict:
-        derived = ("kv_tile_bytes", "issue_share", "kv_bytes_buffered", "littles_law_bytes")
+        derived = ("kv_tile_bytes", "issue_share", "kv_bytes_buffered", "littles_law_bytes", "bytes_per_key")
         return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
 
 
@@ -129,9 +146,11 @@ def compile_stats(
     ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings;
     ``features``: a key of ``FEATURES`` (``dtype`` stays q's dtype; fp8 variants change the cache's).
     """
-    torch_dtype, wanted = DTYPES[dtype], dataclasses.replace(FEATURES[features], leftpad=leftpad)
-    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8), **dict(overrides))
-    variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config)
+    head_dim_v = paired_head_dim_v(head_dim)  # MLA's entries: V read from K's tile
+    torch_dtype = DTYPES[dtype]
+    wanted = dataclasses.replace(FEATURES[features], leftpad=leftpad, v_in_k=head_dim_v is not None)
+    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8, head_dim_v), **dict(overrides))
+    variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config, head_dim_v)
     kernel = compile_as_launched(example_args(variant), variant, GPUTarget("cuda", int(arch[2:]), 32))
     regs, stack, static_shared = resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + static_shared
@@ -158,7 +177,13 @@ def compile_stats(
         variant.constexprs["WAVE"],
         *merge_loop_of_sass(sass),
         *page_id_timing(sass),
+        kv_copy_bytes(sass),
     )
+
+
+def report_group(head_dim: int) -> int:
+    """The GQA group the report compiles a head dim's entries for."""
+    return MLA_GROUP if paired_head_dim_v(head_dim) else REPORT_GROUP
 
 
 def _valid(config, overrides: tuple[tuple[str, int], ...]) -> bool:
@@ -184,6 +209,12 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
     for (arch, head_dim, size), config in TUNING_TABLE.items():
         # fp8 entries are compiled as the fp8 features of the 16-bit entry of their head dim.
         if arch == "interp" or size == 1 or not _valid(config, overrides):
+            continue
+        if config.head_dim_v is not None:  # MLA: its group, the features it serves, group 128 (TP 1)
+            jobs += [(arch, head_dim, "fp16", layout, MLA_GROUP, False, overrides, "") for layout in LAYOUTS]
+            jobs += [(arch, head_dim, "fp16", "paged16", MLA_GROUP, False, overrides, f) for f in MLA_FEATURES]
+            if variants:
+                jobs.append((arch, head_dim, "bf16", "paged64", 128, False, overrides, ""))
             continue
         dtype = "fp16" if size == 2 else "fp32"
         jobs += [(arch, head_dim, dtype, layout, REPORT_GROUP, False, overrides, "") for layout in LAYOUTS]
@@ -218,7 +249,7 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
-        if job[4] == REPORT_GROUP and not job[5] and job[2] != "bf16" and not job[7]:
+        if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
                 entry, layout = divmod(fp32_seen, len(LAYOUTS))
                 fp32_seen += 1
@@ -250,23 +281,29 @@ def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = T
             os.environ["TRITON_INTERPRET"] = env_interp
 
 
+def _dims(r: KernelStats) -> str:
+    """A row's head dims: D, or Dqk/Dv (MLA)."""
+    return f"{r.head_dim}/{r.head_dim_v}" if r.head_dim_v != r.head_dim else str(r.head_dim)
+
+
 def to_markdown(rows: list[KernelStats]) -> str:
     """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
     gpu = {"sm80": "A100", "sm90": "H100"}
     lines = [
-        f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} "
-        "(`python -m lean_tp.tools.kernel_report`).",
+        f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} ({MLA_GROUP} for MLA's "
+        "576/512 rows, V read from K's tile) (`python -m lean_tp.tools.kernel_report`).",
         "",
-        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V buffers | wait_group "
-        "| BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | page ids read in own iteration "
+        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V B per key | K/V buffers "
+        "| wait_group | BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | page ids read in own iteration "
         "| merge: partials/iter | merge: SASS/contributor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if not r.features):
         lines.append(
-            f"| {r.arch} | {r.head_dim} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.arch} | {_dims(r)} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} "
-            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} | {r.wait_group} "
+            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.bytes_per_key:.0f} "
+            f"| {r.kv_buffers} | {r.wait_group} "
             f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
             f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
             f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
@@ -277,14 +314,14 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "Serving features, paged16 (`FEATURES` in `lean_tp/tools/kernel_report/report.py`; fp8 variants read an fp8 cache "
         "with an fp16 q):",
         "",
-        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | BLOCK_N | SASS/iter "
-        "| issue share | page ids read in own iteration |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | D | features | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V B per key "
+        "| BLOCK_N | SASS/iter | issue share | page ids read in own iteration |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r.features):
         lines.append(
-            f"| {r.arch} | {r.head_dim} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.arch} | {_dims(r)} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} "
-            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
+            f"| {r.bytes_per_key:.0f} | {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
         )
     return "\n".join(lines) + "\n"

@@ -71,6 +71,21 @@ def kv_loop_of_sass(text: str) -> tuple[int, int]:
     return len(body), sum(op in ("LDL", "STL") for op in body)
 
 
+def kv_copy_bytes(text: str) -> int:
+    """Bytes one thread copies from global memory in an iteration of the K/V loop: the 8- and
+    16-byte ``LDGSTS`` (``.64``, ``.128``: cp.async into shared memory) and ``LDG`` (``.64``,
+    ``.128``) of its body; 4-byte ones are page ids. Times the program's threads over BLOCK_N, the
+    bytes the loop reads per key (``KernelStats.bytes_per_key``)."""
+    code, innermost = _sass_loops(text)
+    lo, hi = _kv_loop(code, innermost)
+    widths = [
+        int(m.group(2)) // 8
+        for a, op in code
+        if lo <= a <= hi and (m := re.fullmatch(r"(LDGSTS|LDG)\.E\S*?\.(64|128)(\.\w+)*", op))
+    ]
+    return sum(widths)
+
+
 def _registers(operands: str) -> set[int]:
     """General registers an operand list names (``R7``, a pair ``R6.64``; not ``UR``/``RZ``)."""
     regs = set()
