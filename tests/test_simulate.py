@@ -20,11 +20,15 @@ from lean_tp.tools.simulate import (
     cp_sweep_cases,
     fa2_num_splits,
     fa2_splits,
+    flashmla_schedule,
     flex_splits,
     main,
+    mla_sweep_problems,
     rank_heads,
     table_rows,
     table_rows_parallel,
+    triton_mla_schedule,
+    triton_mla_splits,
 )
 from lean_tp.tools.simulate import simulate as _simulate
 
@@ -254,3 +258,65 @@ def test_load_balance_counts_the_sms_with_work():
     result = simulate(Problem((2048,), 8, 2))
     lean = result["lean"]
     assert sum(1 for w in lean.sm_work if w) < H100.sms and lean.efficiency > 0.9
+
+
+def _mla(lens, heads=16, elem_size=2):
+    return Problem(tuple(lens), heads, 1, 576, elem_size=elem_size, head_dim_v=512)
+
+
+def test_mla_problem_reads_each_latent_row_once():
+    """An MLA problem's token is its 576-dim latent row, once (V is read with K's row); fp8 halves it."""
+    assert _mla([10]).bytes_per_token == 1152 and _mla([10], elem_size=1).bytes_per_token == 576
+    assert Problem((10,), 8, 2, 128).bytes_per_token == 512
+    assert "D=576/512 fp8" in _mla([10], elem_size=1).describe()
+    with pytest.raises(ValueError, match=r"v_cache: expected \(K, V\) head dims"):
+        Problem((10,), 16, 1, 576, head_dim_v=448)
+    tps = {(tp, p.n_heads, p.elem_size) for tp, _, _, p in mla_sweep_problems()}
+    assert tps == {(8, 16, 2), (8, 16, 1), (1, 128, 2), (1, 128, 1)}
+
+
+def test_flashmla_schedule_follows_its_scheduler():
+    """FlashMLA on an H100: 132 parts at 16 heads, 66 per 64-row block at 128; each part's budget is
+    ceil(total / parts) + 5 blocks of 64 keys, a request costing 5 blocks more per piece; every
+    token read once per row block."""
+    one = flashmla_schedule(_mla([131072]), H100)
+    # 2048 + 5 blocks over 132 parts: 16 + 5 a part, 16 of the request each (the last part gets the rest).
+    assert one.units == 128 and one.splits == 128 and sum(one.sm_work) == 131072
+    assert one.merge_us >= H100.launch_gap_us
+    wide = flashmla_schedule(_mla([4096] * 8, heads=128), H100)
+    assert sum(wide.sm_work) == 2 * 8 * 4096  # two 64-row blocks each read the latent rows
+    many = flashmla_schedule(_mla([64] * 400), H100)
+    assert many.splits == 1 and many.merge_us == 0.0  # short requests fit whole: nothing to combine
+    assert flashmla_schedule(_mla([0, 0]), H100).time_us == 0.0
+
+
+def test_triton_mla_splits_and_head_blocks():
+    """vLLM's split count: the batch's longest length over 512, rounded up to a power of two, at
+    most 2 per SM; 16-head CTAs, each reading the latent rows; the reduce kernel always runs."""
+    assert triton_mla_splits(_mla([4096]), H100) == 8
+    assert triton_mla_splits(_mla([5000, 10]), H100) == 16  # one count for the batch, from its longest
+    assert triton_mla_splits(_mla([100]), H100) == 1
+    assert triton_mla_splits(_mla([1 << 20]), H100) == 2 * H100.sms
+    sched = triton_mla_schedule(_mla([4096, 100], heads=128), H100)
+    assert sum(sched.sm_work) == 8 * (4096 + 100) and sched.merge_us >= H100.launch_gap_us
+    assert triton_mla_schedule(_mla([100]), H100).merge_us > 0  # one split: the reduce still runs
+
+
+def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
+    """An MLA problem is simulated against FlashMLA and Triton MLA (not FA2 and Flex), lean reading
+    each latent row once per 16-row block; the sweep's CLI wiring with the rows stubbed."""
+    problem = _mla([3000, 70])
+    result = simulate(problem)
+    assert set(result) == {"lean", "lean_invariant", "flashmla", "triton_mla"}
+    assert sum(result["lean"].sm_work) == sum(problem.lens)
+    import lean_tp.tools.simulate.cli as sim_cli
+
+    row = sim_cli.row_of(problem, H100, result)
+    assert row["speedup_vs_flashmla"] == pytest.approx(row["flashmla_us"] / row["lean_us"])
+
+    stub = lambda problems, gpus, *_: [dict(row, gpu=g) for _ in problems for g in gpus]  # noqa: E731
+    monkeypatch.setattr(sim_cli, "table_rows_parallel", stub)
+    png = tmp_path / "mla.png"
+    assert main(["--mla-sweep", "--gpu", "H100", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| H100 | 1 (128) | fp8 | 128 | 131072 |" in out and png.stat().st_size > 10_000

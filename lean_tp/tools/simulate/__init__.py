@@ -5,6 +5,7 @@ combine kernels, in modelled time on an A100 or an H100.
     python -m lean_tp.tools.simulate --model llama-3-70b --tp 8 --batch 1 --lens 32768    # one rank of TP=8
     python -m lean_tp.tools.simulate --tp-sweep --json sweep.json                         # every preset, B 1-64, 1k-1M
     python -m lean_tp.tools.simulate --cp-sweep --gpu H100                                # TP alone vs TP x CP
+    python -m lean_tp.tools.simulate --mla-sweep                                          # DeepSeek-V3 MLA vs FlashMLA
     python -m lean_tp.tools.simulate --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
 
     problems.py   what is modelled: one step's problem, presets, sweeps
@@ -15,8 +16,24 @@ combine kernels, in modelled time on an A100 or an H100.
 
 from lean_tp.tools.gpus import GPUS, LINKS, GPUModel
 from lean_tp.tools.simulate.cli import main
-from lean_tp.tools.simulate.problems import MODEL_PRESETS, Problem, cp_layouts, cp_sweep_cases, rank_heads
-from lean_tp.tools.simulate.schedules import Schedule, fa2_num_splits, fa2_splits, flex_splits, simulate
+from lean_tp.tools.simulate.problems import (
+    MODEL_PRESETS,
+    Problem,
+    cp_layouts,
+    cp_sweep_cases,
+    mla_sweep_problems,
+    rank_heads,
+)
+from lean_tp.tools.simulate.schedules import (
+    Schedule,
+    fa2_num_splits,
+    fa2_splits,
+    flashmla_schedule,
+    flex_splits,
+    simulate,
+    triton_mla_schedule,
+    triton_mla_splits,
+)
 from lean_tp.tools.simulate.tables import cp_merge_us, cp_row, table_rows, table_rows_parallel
 
 __all__ = [
@@ -32,10 +49,14 @@ __all__ = [
     "cp_sweep_cases",
     "fa2_num_splits",
     "fa2_splits",
+    "flashmla_schedule",
     "flex_splits",
     "main",
+    "mla_sweep_problems",
     "rank_heads",
     "simulate",
     "table_rows",
     "table_rows_parallel",
+    "triton_mla_schedule",
+    "triton_mla_splits",
 ]

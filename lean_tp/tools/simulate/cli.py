@@ -17,7 +17,7 @@ from lean_tp import cli
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.utils import interpreted
 from lean_tp.tools.gpus import GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
-from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_gantt, plot_sweep
+from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_gantt, plot_mla_sweep, plot_sweep
 from lean_tp.tools.simulate.problems import (
     MAX_BATCH,
     MAX_HEADS,
@@ -25,6 +25,7 @@ from lean_tp.tools.simulate.problems import (
     MODEL_PRESETS,
     Problem,
     cp_sweep_cases,
+    mla_sweep_problems,
     paper_problems,
     rank_heads,
     tp_sweep_problems,
@@ -33,6 +34,7 @@ from lean_tp.tools.simulate.schedules import simulate
 from lean_tp.tools.simulate.tables import (
     cp_row,
     format_cp_table,
+    format_mla_table,
     format_table,
     format_tp_table,
     row_of,
@@ -86,6 +88,12 @@ def _parser() -> cli.ArgumentParser:
         "--tp-sweep", action="store_true", help="every preset at --tp (default 8), batch 1-64, context 1k-1M"
     )
     p.add_argument(
+        "--mla-sweep",
+        action="store_true",
+        help="DeepSeek-V3's MLA decode at TP 8 and 1, 16-bit and fp8 latent caches, against FlashMLA and "
+        "vLLM's Triton MLA",
+    )
+    p.add_argument(
         "--cp-sweep",
         action="store_true",
         help="every preset on 8 and 16 GPUs, TP alone against TP x CP: KV memory and attention time per rank",
@@ -116,11 +124,16 @@ def _check_flags(p: cli.ArgumentParser, args) -> None:
         p.fail("--plot", "a PNG file path", args.plot)
     modes = [
         flag
-        for flag, on in (("--paper", args.paper), ("--tp-sweep", args.tp_sweep), ("--cp-sweep", args.cp_sweep))
+        for flag, on in (
+            ("--paper", args.paper),
+            ("--tp-sweep", args.tp_sweep),
+            ("--mla-sweep", args.mla_sweep),
+            ("--cp-sweep", args.cp_sweep),
+        )
         if on
     ]
     if len(modes) > 1:
-        p.fail(modes[1], f"one of --paper, --tp-sweep, --cp-sweep (not with {modes[0]})", True)
+        p.fail(modes[1], f"one of --paper, --tp-sweep, --mla-sweep, --cp-sweep (not with {modes[0]})", True)
     sweep = modes[0] if modes else None
     if sweep:
         unused = [name for name in (*ONE_PROBLEM_DEFAULTS, "model") if getattr(args, name) is not None]
@@ -173,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             {"model": c[0], "tp": args.tp, "batch": c[1], "context": c[2], **r}
             for c, r in zip((c for c in cases for _ in args.gpu), rows)
         ]
+    elif args.mla_sweep:
+        cases = mla_sweep_problems()
+        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [
+            {"tp": c[0], "heads": c[3].n_heads, "cache": "fp8" if c[3].elem_size == 1 else "bf16", "batch": c[1],
+             "context": c[2], **r}
+            for c, r in zip((c for c in cases for _ in args.gpu), rows)
+        ]  # fmt: skip
     elif args.paper:
         rows = table_rows_parallel(paper_problems(), args.gpu, args.programs_per_sm)
     else:
@@ -201,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        table = format_cp_table if args.cp_sweep else format_tp_table if args.tp_sweep else format_table
+        tables = {"cp_sweep": format_cp_table, "tp_sweep": format_tp_table, "mla_sweep": format_mla_table}
+        table = next((t for mode, t in tables.items() if getattr(args, mode)), format_table)
         print(table(rows))
     if args.plot:
         if args.cp_sweep:
             plot_cp_sweep(rows, args.plot)
         elif args.tp_sweep:
             plot_sweep(rows, args.plot)
+        elif args.mla_sweep:
+            plot_mla_sweep(rows, args.plot)
         else:
             plot_gantt(problem, GPUS[args.gpu[0]], results[args.gpu[0]], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

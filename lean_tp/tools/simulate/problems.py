@@ -10,11 +10,15 @@ import torch
 from lean_tp.ops.decode_attention.tuning import config_for
 
 ELEM_DTYPES = {2: torch.float16, 4: torch.float32}
+# An fp8 cache (element size 1) is read by a 16-bit q.
+FP8_CACHE = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One decode step: ``lens`` (B,) tokens per sequence, head counts, head_dim, cache capacity."""
+    """One decode step: ``lens`` (B,) tokens per sequence, head counts, head_dim, cache capacity.
+    ``head_dim_v`` below ``head_dim`` makes it MLA's: one latent row per token and KV head, V its
+    first ``head_dim_v`` columns (read with K's); ``elem_size`` 1 is an fp8 cache with a 16-bit q."""
 
     lens: tuple[int, ...]
     n_heads: int
@@ -22,6 +26,7 @@ class Problem:
     head_dim: int = 128
     capacity: int = 0  # 0 means max(lens): fixed-split kernels size their splits from this
     elem_size: int = 2
+    head_dim_v: int = 0  # 0: head_dim
 
     def __post_init__(self) -> None:
         if not self.lens or min(self.lens) < 0:
@@ -30,7 +35,17 @@ class Problem:
             raise ValueError(f"n_heads: expected a multiple of n_kv_heads={self.n_kv_heads}, got {self.n_heads}")
         if self.capacity and self.capacity < max(self.lens):
             raise ValueError(f"capacity: expected >= max(lens)={max(self.lens)}, got {self.capacity}")
-        config_for("sm90", self.head_dim, ELEM_DTYPES[self.elem_size])  # ValueError for a head_dim with no kernel
+        config_for("sm90", self.head_dim, *self.dtypes, self.head_dim_v or None)  # ValueError: no kernel
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
+        """(q's dtype, the cache's when it is not q's)."""
+        return (torch.bfloat16, FP8_CACHE) if self.elem_size == 1 else (ELEM_DTYPES[self.elem_size], None)
+
+    @property
+    def latent(self) -> bool:
+        """MLA: V is the first head_dim_v columns of each K row."""
+        return 0 < self.head_dim_v < self.head_dim
 
     @property
     def kv_len(self) -> int:
@@ -38,8 +53,8 @@ class Problem:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token of one KV head."""
-        return 2 * self.head_dim * self.elem_size
+        """K and V bytes of one token of one KV head (MLA: the latent row, once)."""
+        return (1 if self.latent else 2) * self.head_dim * self.elem_size
 
     @property
     def kv_bytes(self) -> int:
@@ -52,7 +67,9 @@ class Problem:
             if len(set(self.lens)) == 1
             else f"lens {min(self.lens)}-{max(self.lens)} (mean {sum(self.lens) // len(self.lens)})"
         )
-        return f"B={len(self.lens)} Hq={self.n_heads} Hkv={self.n_kv_heads} D={self.head_dim} {lens}"
+        dims = f"{self.head_dim}/{self.head_dim_v}" if self.latent else str(self.head_dim)
+        fp8 = " fp8" if self.elem_size == 1 else ""
+        return f"B={len(self.lens)} Hq={self.n_heads} Hkv={self.n_kv_heads} D={dims}{fp8} {lens}"
 
 
 # Flag bounds: beyond every model's context and head count, and small enough that the schedule's
@@ -131,3 +148,25 @@ def cp_sweep_cases() -> list[tuple[str, int, int, int, int, int, Problem]]:
                     for n in CP_CONTEXTS
                 ]
     return cases
+
+
+# DeepSeek-V3 (and R1, Kimi-K2's layout): 128 query heads over one latent KV head of 576 dims, V its
+# first 512 (the model's Hugging Face config: num_attention_heads 128, kv_lora_rank 512,
+# qk_rope_head_dim 64).
+MLA_HEADS, MLA_DIMS = 128, (576, 512)
+MLA_TPS = (8, 1)  # 16 and 128 query heads per rank
+MLA_BATCHES = (1, 8, 32, 128)
+MLA_CONTEXTS = (4096, 32768, 131072)
+
+
+def mla_sweep_problems() -> list[tuple[int, int, int, Problem]]:
+    """(tp, batch, context, one rank's problem) of DeepSeek-V3's MLA decode: TP 8 and 1, 16-bit and
+    fp8 latent caches."""
+    dqk, dv = MLA_DIMS
+    return [
+        (tp, b, n, Problem((n,) * b, MLA_HEADS // tp, 1, dqk, elem_size=elem, head_dim_v=dv))
+        for tp in MLA_TPS
+        for elem in (2, 1)
+        for b in MLA_BATCHES
+        for n in MLA_CONTEXTS
+    ]

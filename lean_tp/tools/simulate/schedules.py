@@ -7,6 +7,8 @@
   dispatch), and a split output costs a combine kernel.
 - **flex**: FlexAttention's decode rule, ``max(SMs // (B * Hkv) * 2, 1)`` splits of the capacity,
   then its combine kernel.
+- MLA problems (``Problem.latent``) against **flashmla** (FlashMLA's split scheduler) and
+  **triton_mla** (vLLM's Triton MLA splits), constants with their sources beside each.
 
 Time model (``tools.gpus.GPUS`` holds every constant with its source): an SM streams K/V at
 ``min(L2 port, bytes in flight / HBM latency)``, all SMs together at most the measured copy
@@ -27,7 +29,7 @@ from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS
 from lean_tp.tools.gpus import GPUModel
-from lean_tp.tools.simulate.problems import ELEM_DTYPES, Problem
+from lean_tp.tools.simulate.problems import Problem
 
 METHODS = ("lean", "fa2", "flex")
 
@@ -103,13 +105,15 @@ def flex_splits(problem: Problem, sms: int) -> int:
 def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False) -> KernelVariant:
     """The kernel variant ``problem`` launches on ``gpu``: a contiguous cache, one query token."""
     group = problem.n_heads // problem.n_kv_heads
+    dtype, fp8 = problem.dtypes
     return KernelVariant(
         gpu.arch,
-        ELEM_DTYPES[problem.elem_size],
+        dtype,
         problem.head_dim,
         group,
         None,
-        Features(batch_invariant=batch_invariant),
+        Features(fp8=fp8, batch_invariant=batch_invariant, v_in_k=problem.latent),
+        head_dim_v=problem.head_dim_v or None,
     )
 
 
@@ -260,42 +264,161 @@ def fixed_split_schedule(
     method: str, problem: Problem, gpu: GPUModel, splits: int, block_n: int, programs_per_sm: int | None = None
 ) -> Schedule:
     """CTAs (b, KV head, split) over equal ranges of the capacity, each reading only its sequence's
-    tokens in that range, dispatched in launch order to the least-loaded SM; with splits > 1 a
-    combine kernel follows (a launch gap, two dependent L2 reads, the partials over every SM's port)."""
-    sms = gpu.sms
+    tokens in that range; with splits > 1 a combine kernel follows (``_cta_schedule``)."""
     per_split = math.ceil(math.ceil(problem.kv_len / block_n) / splits) * block_n
+    ctas = [
+        (max(0, min(length, (s + 1) * per_split) - s * per_split), b * problem.n_kv_heads + h)
+        for b, length in enumerate(problem.lens)
+        for h in range(problem.n_kv_heads)
+        for s in range(splits)
+    ]
+    combine = splits if splits > 1 else 0
+    return _cta_schedule(method, problem, gpu, ctas, splits, combine * problem.n_heads, programs_per_sm)
+
+
+def _cta_schedule(
+    method: str,
+    problem: Problem,
+    gpu: GPUModel,
+    ctas: list[tuple[int, int]],
+    splits: int,
+    partials_per_seq: int,
+    programs_per_sm: int | None = None,
+) -> Schedule:
+    """CTAs, each (tokens, output) in launch order, dispatched to the least-loaded SM (an empty one
+    exits at once); then, with ``partials_per_seq`` (partials of V's width per sequence) above 0, a
+    combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port."""
+    sms = gpu.sms
     load = [(0, sm) for sm in range(sms)]
-    work, bars, ctas = [0] * sms, [], [0] * sms
-    for b, length in enumerate(problem.lens):
-        for h in range(problem.n_kv_heads):
-            for s in range(splits):
-                tokens = max(0, min(length, (s + 1) * per_split) - s * per_split)
-                if tokens == 0:
-                    continue  # an empty split exits at once
-                start, sm = heapq.heappop(load)
-                heapq.heappush(load, (start + tokens, sm))
-                work[sm] += tokens
-                ctas[sm] += 1
-                bars.append((sm, start, tokens, b * problem.n_kv_heads + h))
+    work, bars, on_sm = [0] * sms, [], [0] * sms
+    for tokens, output in ctas:
+        if tokens == 0:
+            continue
+        start, sm = heapq.heappop(load)
+        heapq.heappush(load, (start + tokens, sm))
+        work[sm] += tokens
+        on_sm[sm] += 1
+        bars.append((sm, start, tokens, output))
     per_sm = programs_per_sm or lean_variant(problem, gpu).config.max_programs_per_sm
-    rates = _stream_rates(ctas, problem, gpu, per_sm)
+    rates = _stream_rates(on_sm, problem, gpu, per_sm)
     bytes_per_token = problem.bytes_per_token
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
-    if splits > 1 and any(work):  # no CTA wrote a partial: nothing to combine
-        partials = len(problem.lens) * problem.n_heads * splits * (problem.head_dim + 1) * 4
+    if partials_per_seq and any(work):  # no CTA wrote a partial: nothing to combine
+        partials = len(problem.lens) * partials_per_seq * ((problem.head_dim_v or problem.head_dim) + 1) * 4
         combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + partials / (sms * gpu.l2_port_gbps * 1e3)
     return Schedule(
-        method, sms, units=sum(ctas), splits=splits, sm_work=work, time_us=kernel + combine, merge_us=combine, bars=bars
+        method,
+        sms,
+        units=sum(on_sm),
+        splits=splits,
+        sm_work=work,
+        time_us=kernel + combine,
+        merge_us=combine,
+        bars=bars,
     )
 
 
+# FlashMLA's decode scheduler (deepseek-ai/FlashMLA, csrc/api/dense_decode.h and
+# csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu): 64 query rows and 64 keys
+# a block, 5 blocks of fixed overhead for each request or piece of one a part takes.
+FLASHMLA_BLOCK_M, FLASHMLA_BLOCK_N, FLASHMLA_OVERHEAD = 64, 64, 5
+
+
+def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
+    """FlashMLA's split-KV plan: ``num_sm_parts = SMs / Hkv / ceil(rows / 64)`` parts, each given
+    ``ceil(total / parts) + 5`` blocks of the requests in order (a request's blocks plus 5 each),
+    cutting a request where a part's budget ends; a CTA per (64-row block, KV head, part), so each
+    row block reads the latent rows; a split request is combined by a second kernel."""
+    rows = problem.n_heads // problem.n_kv_heads
+    m_blocks = math.ceil(rows / FLASHMLA_BLOCK_M)
+    parts = max(gpu.sms // problem.n_kv_heads // m_blocks, 1)
+    blocks = [max(1, math.ceil(n / FLASHMLA_BLOCK_N)) for n in problem.lens]
+    payload = math.ceil(sum(b + FLASHMLA_OVERHEAD for b in blocks) / parts) + FLASHMLA_OVERHEAD
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]  # per part: (request, first, end block)
+    part, budget, req, first = 0, payload, 0, 0
+    while req < len(blocks) and part < parts:
+        left = blocks[req] - first
+        if budget >= left + FLASHMLA_OVERHEAD:
+            pieces[part].append((req, first, blocks[req]))
+            budget -= left + FLASHMLA_OVERHEAD
+            req, first = req + 1, 0
+            continue
+        if budget - FLASHMLA_OVERHEAD > 0:
+            pieces[part].append((req, first, first + budget - FLASHMLA_OVERHEAD))
+            first += budget - FLASHMLA_OVERHEAD
+        part, budget = part + 1, payload
+    split = [0] * len(blocks)
+    for own in pieces:
+        for r, _, _ in own:
+            split[r] += 1
+    tokens = lambda r, b0, b1: max(0, min(problem.lens[r], b1 * FLASHMLA_BLOCK_N) - b0 * FLASHMLA_BLOCK_N)  # noqa: E731
+    ctas = [
+        (sum(tokens(r, b0, b1) for r, b0, b1 in pieces[p]), h)
+        for p in range(parts)
+        for h in range(problem.n_kv_heads)
+        for _ in range(m_blocks)
+    ]
+    partials = sum(n for n in split if n > 1) * rows * problem.n_kv_heads
+    schedule = _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), 0, programs_per_sm)
+    if partials:  # the combine kernel reads the split requests' partials only
+        schedule = _with_combine(schedule, problem, gpu, partials)
+    return schedule
+
+
+def _with_combine(schedule: Schedule, problem: Problem, gpu: GPUModel, partials: int) -> Schedule:
+    """``schedule`` followed by a combine kernel reading ``partials`` partials of V's width."""
+    nbytes = partials * ((problem.head_dim_v or problem.head_dim) + 1) * 4
+    combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + nbytes / (gpu.sms * gpu.l2_port_gbps * 1e3)
+    schedule.time_us += combine
+    schedule.merge_us += combine
+    return schedule
+
+
+# vLLM's Triton MLA decode (vllm/v1/attention/backends/mla/triton_mla.py and
+# vllm/v1/attention/ops/triton_decode_attention.py, vLLM 0.33): 16 query heads a CTA; the batch's
+# longest length over 512 tokens a split, rounded up to a power of two, at most 2 per SM; one split
+# in vLLM's batch-invariant mode.
+TRITON_MLA_BLOCK_H, TRITON_MLA_MIN_SPLIT, TRITON_MLA_SPLITS_PER_SM = 16, 512, 2
+
+
+def triton_mla_splits(problem: Problem, gpu: GPUModel) -> int:
+    """vLLM's Triton MLA split count: one for the whole batch, from its longest sequence."""
+    ideal = 1 << (max(1, max(problem.lens) // TRITON_MLA_MIN_SPLIT) - 1).bit_length()
+    return min(ideal, gpu.sms * TRITON_MLA_SPLITS_PER_SM)
+
+
+def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
+    """vLLM's Triton MLA plan: CTAs (b, 16-head block, split), split s of sequence b reading its
+    keys ``[s, s + 1) x ceil(len_b / splits)``, so each head block reads the latent rows; the
+    reduce kernel always follows (it runs with one split too)."""
+    splits = triton_mla_splits(problem, gpu)
+    group = problem.n_heads // problem.n_kv_heads
+    head_blocks = math.ceil(problem.n_heads / min(TRITON_MLA_BLOCK_H, group))
+    ctas = [
+        (max(0, min(n, (s + 1) * per) - s * per), b)
+        for s in range(splits)
+        for _ in range(head_blocks)
+        for b, n in enumerate(problem.lens)
+        for per in (math.ceil(n / splits),)
+    ]
+    return _cta_schedule("triton_mla", problem, gpu, ctas, splits, splits * problem.n_heads, programs_per_sm)
+
+
 def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
-    """Lean (default and batch-invariant), FA2 and Flex plans of one problem on ``gpu``."""
-    fa2, block_n = fa2_splits(problem, gpu.sms)
-    return {
+    """Lean (default and batch-invariant) and its peers on one problem on ``gpu``: FA2 and Flex, or
+    for MLA (``Problem.latent``) FlashMLA and vLLM's Triton MLA."""
+    lean = {
         "lean": lean_sim_schedule(problem, gpu, programs_per_sm),
         "lean_invariant": lean_sim_schedule(problem, gpu, programs_per_sm, batch_invariant=True),
+    }
+    if problem.latent:
+        return lean | {
+            "flashmla": flashmla_schedule(problem, gpu, programs_per_sm),
+            "triton_mla": triton_mla_schedule(problem, gpu, programs_per_sm),
+        }
+    fa2, block_n = fa2_splits(problem, gpu.sms)
+    return lean | {
         "fa2": fixed_split_schedule("fa2", problem, gpu, fa2, block_n, programs_per_sm),
         "flex": fixed_split_schedule("flex", problem, gpu, flex_splits(problem, gpu.sms), 64, programs_per_sm),
     }

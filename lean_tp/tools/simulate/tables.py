@@ -151,3 +151,20 @@ def format_tp_table(rows: list[dict]) -> str:
             f"| {_ratio(r['speedup_vs_flex'])} |"
         )
     return "\n".join(lines)
+
+
+def format_mla_table(rows: list[dict]) -> str:
+    """The MLA sweep's rows (``--mla-sweep``): lean against FlashMLA and vLLM's Triton MLA."""
+    head = (
+        "| GPU | TP (heads / rank) | cache | B | context | lean us | merge us | programs | lean BW | FlashMLA splits "
+        "| FlashMLA us | Triton MLA splits | Triton MLA us | FlashMLA / lean | Triton MLA / lean |"
+    )
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['gpu']} | {r['tp']} ({r['heads']}) | {r['cache']} | {r['batch']} | {r['context']} "
+            f"| {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_programs']} | {r['lean_bw']:.2f} "
+            f"| {r['flashmla_splits']} | {r['flashmla_us']:.1f} | {r['triton_mla_splits']} | {r['triton_mla_us']:.1f} "
+            f"| {_ratio(r['speedup_vs_flashmla'])} | {_ratio(r['speedup_vs_triton_mla'])} |"
+        )
+    return "\n".join(lines)
