@@ -163,9 +163,17 @@ def rank_bytes(
     heads, hd = plan_heads(config.n_heads, config.n_kv_heads, world // cp, 0), config.head_dim
     kv_heads = heads.n_kv
     attn = config.dim * hd * (2 * heads.n_q + 2 * kv_heads)
+    # A token's K and V elements, per layer and sequence (MLA: one latent row, on every TP rank).
+    kv_row = config.kv_lora_rank + config.qk_rope_head_dim if config.kv_lora_rank else 2 * kv_heads * hd
+    if config.kv_lora_rank:  # the latent and q down-projections, replicated; heads' q, W_UK, W_UV, o_proj
+        rank, q_lora = config.kv_lora_rank, config.q_lora_rank
+        q_in = q_lora or config.dim
+        attn = config.dim * (kv_row + q_lora) + heads.n_q * (
+            q_in * hd + rank * (config.qk_nope_head_dim + config.v_head_dim) + config.v_head_dim * config.dim
+        )
     mlp = 3 * config.dim * config.intermediate_size // world
     embed = config.vocab_size * config.dim * (1 if config.tie_word_embeddings else 2)
-    kv = 2 * config.n_layers * batch * kv_heads * -(-capacity // cp) * hd * kv_bytes
+    kv = config.n_layers * batch * -(-capacity // cp) * kv_row * kv_bytes
     return (config.n_layers * (attn + mlp) + embed) * dtype_bytes + kv
 
 

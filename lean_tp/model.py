@@ -51,8 +51,23 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_word_embeddings: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: each token caches one
+    # latent row of kv_lora_rank + qk_rope_head_dim values; q is low-rank too when q_lora_rank > 0.
+    # head_dim is then q's and K's per-head width, qk_nope_head_dim + qk_rope_head_dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(
+                        f"{name}: expected a positive integer with kv_lora_rank, got {getattr(self, name)}"
+                    )
+            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "head_dim"):
@@ -60,8 +75,13 @@ class ModelArgs:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads: expected a multiple of n_kv_heads ({self.n_kv_heads}), got {self.n_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even number for RoPE, got {self.head_dim}")
+        if self.rope_dim % 2:
+            raise ValueError(f"head_dim: expected an even number of rotary dims, got {self.rope_dim}")
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims each head rotates: all of head_dim, or MLA's decoupled rope dims."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
 
 # Published shapes. Real runs load weights with --checkpoint; these names give random weights of
@@ -69,6 +89,22 @@ class ModelArgs:
 CONFIGS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(
         vocab_size=1024, dim=512, n_layers=2, n_heads=8, n_kv_heads=2, intermediate_size=1024, max_seq_len=4096
+    ),
+    # DeepSeek-V2's attention at toy width: DeepSeek-V3's 512 + 64 latent row (the kernel's tuning
+    # pair), 16 heads (so 8 ranks hold 2 each), a low-rank q; the MLP is dense.
+    "tiny-mla": ModelArgs(
+        vocab_size=1024,
+        dim=256,
+        n_layers=2,
+        n_heads=16,
+        n_kv_heads=16,
+        intermediate_size=512,
+        max_seq_len=4096,
+        kv_lora_rank=512,
+        q_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
     ),
     "llama-3-8b": ModelArgs(
         vocab_size=128256,
@@ -118,8 +154,8 @@ CONFIGS: dict[str, ModelArgs] = {
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """(head_dim // 2,) float32 inverse frequencies, with Llama-3 scaling when configured."""
-    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float() / args.head_dim
+    """(rope_dim // 2,) float32 inverse frequencies, with Llama-3 scaling when configured."""
+    exponents = torch.arange(0, args.rope_dim, 2, dtype=torch.int64, device=device).float() / args.rope_dim
     inv_freq = 1.0 / (args.rope_theta**exponents)
     s = args.rope_scaling
     if s is None:
@@ -180,8 +216,9 @@ class CacheShard(Protocol):
 
 
 # Decode attention over a layer's cache: (q (B, Hq, D), cache, lengths (B,) int32 including this
-# token, backend) -> (B, Hq, D). ``lean_tp.distributed.apply_tp`` installs context parallelism's.
-AttendFn = Callable[[torch.Tensor, "KVCache", torch.Tensor, str], torch.Tensor]
+# token, backend, softmax_scale or None) -> (B, Hq, Dv). ``lean_tp.distributed.apply_tp`` installs
+# context parallelism's.
+AttendFn = Callable[[torch.Tensor, "KVCache", torch.Tensor, str, float | None], torch.Tensor]
 
 
 class KVCache(nn.Module):
@@ -235,14 +272,17 @@ class KVCache(nn.Module):
         self.k[:, :, : k.shape[2]] = self._store(k, self.k_scale)
         self.v[:, :, : v.shape[2]] = self._store(v, self.v_scale)
 
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The slots of positions (B,): themselves, or under CP this rank's slot or the spare one."""
+        if self.shard is None:
+            return positions
+        return torch.where(self.shard.owns(positions), self.shard.slot(positions), self.k.shape[2] - 1)
+
     def write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, D) for one token per sequence, at positions (B,)."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        if self.shard is not None:
-            spare = self.k.shape[2] - 1
-            positions = torch.where(self.shard.owns(positions), self.shard.slot(positions), spare)
-        self.k[rows, :, positions] = self._store(k, self.k_scale)
-        self.v[rows, :, positions] = self._store(v, self.v_scale)
+        rows, slots = torch.arange(k.shape[0], device=k.device), self._slots(positions)
+        self.k[rows, :, slots] = self._store(k, self.k_scale)
+        self.v[rows, :, slots] = self._store(v, self.v_scale)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v as float32 values (fp8) or as stored (B, Hkv, S, D)."""
@@ -290,21 +330,151 @@ class Attention(nn.Module):
             y = self.decode(q[:, :, 0], input_pos + 1)[:, :, None]  # the op's cache_seqlens count the new token
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
 
-    def decode(self, q: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, D)."""
+    def decode(self, q: torch.Tensor, lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """q (B, Hq, D), lengths (B,) int32 including this token -> (B, Hq, Dv); ``scale``: the
+        softmax scale, 1/sqrt(D) by default."""
         cache = self.kv_cache
         if self.attend is not None:
-            return self.attend(q, cache, lengths, self.backend)
+            return self.attend(q, cache, lengths, self.backend, scale)
         if self.impl == "lean":
             return decode_attention(
-                q, cache.k, cache.v, lengths, backend=self.backend, k_scale=cache.k_scale, v_scale=cache.v_scale
+                q,
+                cache.k,
+                cache.v,
+                lengths,
+                softmax_scale=scale,
+                backend=self.backend,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
             )
         k_cache, v_cache = (x.to(q.dtype) for x in cache.dequantized())
         mask = torch.arange(k_cache.shape[2], device=q.device) < lengths[:, None]
         y = F.scaled_dot_product_attention(
-            q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None], enable_gqa=True
+            q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None], scale=scale, enable_gqa=True
         )
         return y[:, :, 0]
+
+    def make_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(batch, self.n_kv_heads, capacity, self.head_dim, dtype, device, self.shard)
+
+
+class LatentCache(KVCache):
+    """MLA's static cache: one latent row per token, k (B, 1, S, rank + rope); v is a view of its
+    first ``rank`` columns, so the decode op reads each row once for both products. Slots, context
+    parallelism and fp8 as in ``KVCache``, with one scale for the latent rows (``v_scale`` is
+    ``k_scale``)."""
+
+    def __init__(
+        self,
+        batch: int,
+        capacity: int,
+        dim: int,
+        dim_v: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: CacheShard | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.capacity, self.shard, self.dim_v = capacity, shard, dim_v
+        slots = capacity if shard is None else shard.capacity(capacity) + 1
+        self.register_buffer("k", torch.zeros(batch, 1, slots, dim, dtype=dtype, device=device), persistent=False)
+        self.fp8 = dtype == FP8_KV_DTYPE
+        scale = torch.ones(1, dtype=torch.float32, device=device) if self.fp8 else None
+        self.register_buffer("k_scale", scale, persistent=False)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.k[..., : self.dim_v]
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        return self.k_scale
+
+    def write_prefill(self, latent: torch.Tensor) -> None:
+        """latent (B, 1, T, rank + rope) for positions 0..T-1 (under CP: this rank keeps its own)."""
+        if self.fp8:
+            self.k_scale.copy_((latent.detach().abs().amax().float() * FP8_HEADROOM / FP8_MAX).clamp_min(1e-8))
+        if self.shard is not None:
+            latent = latent[:, :, self.shard.positions(latent.shape[2], latent.device)]
+        self.k[:, :, : latent.shape[2]] = self._store(latent, self.k_scale)
+
+    def write_token(self, latent: torch.Tensor, positions: torch.Tensor) -> None:
+        """latent (B, 1, rank + rope) for one token per sequence, at positions (B,)."""
+        rows = torch.arange(latent.shape[0], device=latent.device)
+        self.k[rows, :, self._slots(positions)] = self._store(latent, self.k_scale)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.k_scale) if t is not None)
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2's multi-head latent attention, with Hugging Face's module names.
+
+    Prefill expands the latent rows into per-head K and V (``kv_b_proj``) and runs SDPA. Decode
+    runs absorbed: each head's q_nope is multiplied into the latent space by its slice of
+    ``kv_b_proj`` (W_UK), so q is (B, H, rank + rope) against the cached latent rows as K, and
+    their first ``rank`` columns as V; the (B, H, rank) result is turned into each head's value by
+    W_UV. The latent head is shared by every query head: under tensor parallelism each rank keeps
+    its query heads and the whole latent cache; context parallelism shards the cache's positions.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.n_heads, 1
+        self.nope, self.rope, self.v_dim, self.rank = (
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+            args.kv_lora_rank,
+        )
+        self.head_dim = self.rank + self.rope  # the decode op's q and K width
+        self.scale = args.head_dim**-0.5  # of the expanded heads' q.k, as in prefill
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, args.n_heads * args.head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.dim, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, args.norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, args.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        self.kv_cache: LatentCache | None = None
+        self.impl, self.backend = "lean", "auto"
+        self.shard: CacheShard | None = None
+        self.attend: AttendFn | None = None
+
+    decode = Attention.decode
+
+    def make_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
+        return LatentCache(batch, capacity, self.head_dim, self.rank, dtype, device, self.shard)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x (B, T, dim); input_pos as in ``Attention.forward``."""
+        if self.kv_cache is None:
+            raise RuntimeError("MLAAttention: call setup_caches() on the model before running it")
+        bsz, seqlen, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(bsz, seqlen, self.n_heads, -1).transpose(1, 2).split([self.nope, self.rope], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], -1)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe[:, None], cos, sin)  # k_pe (B, 1, T, rope)
+        c = self.kv_a_layernorm(c)[:, None]  # (B, 1, T, rank)
+        w_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        if input_pos is None:
+            self.kv_cache.write_prefill(torch.cat((c, k_pe), -1))
+            k_nope, v = (c[:, 0] @ w_b.flatten(0, 1).T).view(bsz, seqlen, self.n_heads, -1).transpose(1, 2).split(
+                [self.nope, self.v_dim], -1
+            )  # fmt: skip
+            k = torch.cat((k_nope, k_pe.expand(-1, self.n_heads, -1, -1)), -1)
+            y = F.scaled_dot_product_attention(torch.cat((q_nope, q_pe), -1), k, v, is_causal=True, scale=self.scale)
+        else:
+            self.kv_cache.write_token(torch.cat((c, k_pe), -1)[:, :, 0], input_pos)
+            q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:, :, 0], w_b[:, : self.nope])
+            out = self.decode(torch.cat((q_latent, q_pe[:, :, 0]), -1), input_pos + 1, self.scale)  # (B, H, rank)
+            y = torch.einsum("bhr,hvr->bhv", out, w_b[:, self.nope :])[:, :, None]
+        return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.v_dim))
 
 
 class MLP(nn.Module):
@@ -322,7 +492,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = MLAAttention(args) if args.kv_lora_rank else Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
@@ -356,7 +526,7 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def attention_modules(self) -> list[Attention]:
+    def attention_modules(self) -> list[Attention | MLAAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
     def set_attention(self, impl: str = "lean", backend: str = "auto") -> None:
@@ -371,17 +541,15 @@ class Transformer(nn.Module):
             attn.impl, attn.backend = impl, backend
 
     def setup_caches(self, max_batch: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate each layer's (max_batch, local Hkv, max_seq_len, head_dim) cache on the weights'
-        device; call after sharding, so each rank holds only its own KV heads. ``dtype``: the
+        """Allocate each layer's (max_batch, local Hkv, max_seq_len, head_dim) cache (MLA: one
+        latent head) on the weights' device; call after sharding, so each rank holds only its own KV heads. ``dtype``: the
         weights' by default, or ``FP8_KV_DTYPE`` for an fp8 cache with per-KV-head scales."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"max_seq_len: expected <= the model's {self.args.max_seq_len}, got {max_seq_len}")
         weight = self.lm_head.weight
         dtype = dtype or weight.dtype
         for attn in self.attention_modules():
-            attn.kv_cache = KVCache(
-                max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, weight.device, attn.shard
-            )
+            attn.kv_cache = attn.make_cache(max_batch, max_seq_len, dtype, weight.device)
         self.inv_freq = rope_inv_freq(self.args, weight.device)
 
     def cache_capacity(self) -> int:

@@ -47,20 +47,23 @@ def test_single_process_defaults_check():
 
 
 @pytest.mark.parametrize(
-    "world,cp,compiled",
-    [(2, "2", True), (4, "2", False), (8, "1,4,8", False)],
-    ids=["world2-compiled", "world4", "world8"],
+    "world,cp,compiled,model",
+    [(2, "2", True, "tiny"), (4, "1,2", False, "tiny-mla"), (8, "1,4,8", False, "tiny")],
+    ids=["world2-compiled", "world4-mla", "world8"],
 )
-def test_tp_and_cp_match_single_process(world, cp, compiled):
+def test_tp_and_cp_match_single_process(world, cp, compiled, model):
     """Ragged batch, each layout (TP x CP) of one launch against one process: TP 1 x CP 2 compiled
-    (fullgraph: the CP all-gather, the merge op and the MLP's all-reduce in the graph); TP 2 x CP 2;
-    then TP 8 (each of tiny's 2 KV heads replicated on 4 ranks), TP 2 x CP 4 and TP 1 x CP 8. CP
-    deals each head's sequence in runs of 16 tokens, so the 1- and 17-token prompts leave most
-    ranks without a key of their sequence (they merge as lse -inf). tests/test_tp.py checks the
-    head plan for every world size and traces the TP step's all-reduces; 1 rank is
-    test_single_process_defaults_check (SDPA's decode path is tests/test_model.py's, sharded the same)."""
+    (fullgraph: the CP all-gather, the merge op and the MLP's all-reduce in the graph); MLA
+    (tiny-mla) at TP 4 (4 of its 16 query heads a rank, the latent cache whole on each) and TP 2 x
+    CP 2 (the latent cache's positions split); then TP 8 (each of tiny's 2 KV heads replicated on
+    4 ranks), TP 2 x CP 4 and TP 1 x CP 8. CP deals each head's sequence in runs of 16 tokens, so
+    the 1- and 17-token prompts leave most ranks without a key of their sequence (they merge as lse
+    -inf). tests/test_tp.py checks the head plan for every world size and traces the TP step's
+    all-reduces; 1 rank is test_single_process_defaults_check (SDPA's decode path is
+    tests/test_model.py's, sharded the same)."""
     gen = 8 if compiled else 12
-    args = ["--cp", cp, "--check", "--prompt-len", RAGGED, "--gen", str(gen)] + (["--compile"] if compiled else [])
+    args = ["--model", model, "--cp", cp, "--check", "--prompt-len", RAGGED, "--gen", str(gen)]
+    args += ["--compile"] if compiled else []
     out = _expect_ok(_torchrun(world, EXAMPLE, *args))
     for c in map(int, cp.split(",")):
         assert f"world {world}" + (f" (tp {world // c} x cp {c})" if c > 1 else ",") in out, out

@@ -269,12 +269,21 @@ def context_parallel_attention(
 
 def context_parallel_decode(shard: ContextShard, group: dist.ProcessGroup | None) -> Callable:
     """The model's decode attention under context parallelism (``lean_tp.model.AttendFn``), which
-    ``apply_tp`` installs on each attention layer: ``(q, cache, lengths, backend) -> out`` over
+    ``apply_tp`` installs on each attention layer: ``(q, cache, lengths, backend, scale) -> out`` over
     this rank's share of the layer's cache (its k, v and fp8 scales), merged over ``group``."""
 
-    def attend(q: torch.Tensor, cache, lengths: torch.Tensor, backend: str) -> torch.Tensor:
+    def attend(q: torch.Tensor, cache, lengths: torch.Tensor, backend: str, scale: float | None) -> torch.Tensor:
         return context_parallel_attention(
-            q, cache.k, cache.v, lengths, shard, group, backend=backend, k_scale=cache.k_scale, v_scale=cache.v_scale
+            q,
+            cache.k,
+            cache.v,
+            lengths,
+            shard,
+            group,
+            softmax_scale=scale,
+            backend=backend,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
 
     return attend

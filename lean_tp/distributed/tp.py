@@ -2,7 +2,8 @@
 
 Attention is sharded by heads: q/k/v projections are column-parallel (each rank keeps the rows of
 its heads) and o_proj is row-parallel (the matching columns), so attention itself needs no
-communication and each rank runs ``decode_attention`` on its own heads with a grid sized to its own
+communication (MLA: q's and kv_b_proj's rows of the rank's query heads; the latent row of each
+token, shared by all heads, is computed and cached whole on every rank) and each rank runs ``decode_attention`` on its own heads with a grid sized to its own
 GPU. The MLP is sharded the same way (gate/up column-parallel, down row-parallel). The two
 row-parallel outputs per layer are summed with a functional-collective all-reduce, which
 ``torch.compile(fullgraph=True)`` traces into the graph. Embedding, norms and LM head are replicated.
@@ -137,24 +138,43 @@ def apply_tp(model: Transformer, rank: int, world_size: int, cp: int = 1, groups
     mlp_rows = (rank * inter, (rank + 1) * inter)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        parts = {
+        parts = _mla_parts(attn, args, plan) if args.kv_lora_rank else {
             "self_attn.q_proj": (attn.q_proj, 0, q_rows),
             "self_attn.k_proj": (attn.k_proj, 0, kv_rows),
             "self_attn.v_proj": (attn.v_proj, 0, kv_rows),
             "self_attn.o_proj": (attn.o_proj, 1, q_rows),
+        }  # fmt: skip
+        parts |= {
             "mlp.gate_proj": (mlp.gate_proj, 0, mlp_rows),
             "mlp.up_proj": (mlp.up_proj, 0, mlp_rows),
             "mlp.down_proj": (mlp.down_proj, 1, mlp_rows),
         }
         for name, (linear, dim, (start, stop)) in parts.items():
             model.tp_shards[f"model.layers.{i}.{name}.weight"] = _shard_linear(linear, dim, start, stop)
-        attn.n_heads, attn.n_kv_heads = plan.n_q, plan.n_kv
+        attn.n_heads = plan.n_q
+        if not args.kv_lora_rank:  # MLA's one latent head is every rank's
+            attn.n_kv_heads = plan.n_kv
         if cp > 1:
             attn.shard = ContextShard(cp, rank // tp)
             attn.attend = context_parallel_decode(attn.shard, groups.cp)
         if tp > 1:
             attn.o_proj.register_forward_hook(_all_reduce_output(groups.tp))
         mlp.down_proj.register_forward_hook(_all_reduce_output(groups.world))
+
+
+def _mla_parts(attn: nn.Module, args: ModelArgs, plan: HeadPlan) -> dict[str, tuple[nn.Linear, int, tuple[int, int]]]:
+    """MLA's head-sharded projections: q's rows (``q_b_proj``, or ``q_proj`` without a q LoRA),
+    ``kv_b_proj``'s rows (each head's W_UK and W_UV) and o_proj's columns of this rank's query
+    heads. The down-projections to the latent row (and q's) are replicated: every rank computes
+    and caches the whole latent row of each token."""
+    heads = (plan.q_start, plan.q_start + plan.n_q)
+    rows = lambda width: (heads[0] * width, heads[1] * width)  # noqa: E731
+    q_name = "q_b_proj" if args.q_lora_rank else "q_proj"
+    return {
+        f"self_attn.{q_name}": (getattr(attn, q_name), 0, rows(args.head_dim)),
+        "self_attn.kv_b_proj": (attn.kv_b_proj, 0, rows(args.qk_nope_head_dim + args.v_head_dim)),
+        "self_attn.o_proj": (attn.o_proj, 1, rows(args.v_head_dim)),
+    }
 
 
 def describe_grid(model: Transformer) -> str:
