@@ -35,16 +35,40 @@ SMALL = dict(
     max_position_embeddings=1024,
 )
 QK_STD = 0.3
+# DeepSeek-V2's attention at toy width: 16 heads over one latent row of 512 + 64 (the head size
+# vLLM's MLA backends and lean's kernel take), dense MLPs (no MoE layer: first_k_dense_replace).
+SMALL_MLA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=64,
+    v_head_dim=32,
+    first_k_dense_replace=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+)
 
 
 def save_random_model(path: str, arch: str = "llama") -> str:
-    """Save a random-weight ``arch`` ("llama", or "gemma2": a 32-token window on every other layer
-    and logit soft-capping) under ``path``; returns ``path``. Llama's wider init keeps its logits
-    apart, so rounding decides no greedy token; Gemma 2 keeps the default init, where its scaled
-    embeddings stay small beside the attention output."""
+    """Save a random-weight ``arch`` ("llama"; "gemma2": a 32-token window on every other layer
+    and logit soft-capping; "deepseek_v2": MLA, ``SMALL_MLA``) under ``path``; returns ``path``.
+    Llama's and DeepSeek-V2's wider init keeps their logits apart, so rounding decides no greedy
+    token; Gemma 2 keeps the default init, where its scaled embeddings stay small beside the
+    attention output."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        DeepseekV2ForCausalLM(DeepseekV2Config(**SMALL_MLA)).save_pretrained(path)
+        return path
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**SMALL, initializer_range=0.2))
     else:

@@ -32,7 +32,7 @@ MAX_TOKENS = 20
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return {arch: save_random_model(str(root / arch), arch) for arch in ("llama", "gemma2")}
+    return {arch: save_random_model(str(root / arch), arch) for arch in ("llama", "gemma2", "deepseek_v2")}
 
 
 @pytest.fixture
@@ -53,10 +53,18 @@ def _attention_impls(worker) -> list[str]:
 
 
 def _generate(
-    model: str, lean: bool, dtype: str, tp: int = 1, impls: list | None = None, max_tokens: int = MAX_TOKENS
+    model: str,
+    lean: bool,
+    dtype: str,
+    tp: int = 1,
+    impls: list | None = None,
+    max_tokens: int = MAX_TOKENS,
+    replaced: str = "CPU_ATTN",
 ) -> list[list[int]]:
-    """Greedy tokens of PROMPTS; ``impls`` receives every worker's ``_attention_impls``."""
-    with in_place_of("CPU_ATTN") if lean else contextlib.nullcontext():
+    """Greedy tokens of PROMPTS, LEAN (LEAN_MLA for ``replaced="CPU_MLA"``) in place of vLLM's CPU
+    backend when ``lean``; ``impls`` receives every worker's ``_attention_impls``. MLA models get
+    vLLM's CPU MLA page size (16), which it requires."""
+    with in_place_of(replaced) if lean else contextlib.nullcontext():
         llm = LLM(
             model=model,
             skip_tokenizer_init=True,
@@ -64,7 +72,7 @@ def _generate(
             max_model_len=512,
             enforce_eager=True,
             max_num_seqs=4,
-            block_size=32,
+            block_size=16 if replaced == "CPU_MLA" else 32,
             max_num_batched_tokens=64,
             kv_cache_memory_bytes=32 << 20,
             tensor_parallel_size=tp,
@@ -133,3 +141,32 @@ def test_tensor_parallel_workers_run_lean(models, in_process, monkeypatch):
     impls = []
     assert _generate(models["gemma2"], lean=True, dtype="float32", tp=2, impls=impls) == expected
     assert impls == [["LeanAttentionImpl/2/1"], ["LeanAttentionImpl/2/1"]]
+
+
+@pytest.fixture
+def mla_decodes(monkeypatch):
+    """The query rows of each LEAN_MLA decode call."""
+    from lean_tp.integrations.vllm import mla as lean_mla
+
+    calls = []
+    real = lean_mla.decode_attention
+    monkeypatch.setattr(lean_mla, "decode_attention", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype,op_backend", [("float32", "auto"), ("bfloat16", "triton")], ids=["torch", "kernel"])
+def test_lean_mla_generates_cpu_mlas_tokens(models, in_process, mla_decodes, monkeypatch, dtype, op_backend):
+    """A random DeepSeek-V2 (MLA) model: LEAN_MLA in place of vLLM's CPU MLA gives its tokens, on
+    the torch backend (float32) and on the kernel in the interpreter (bf16, fewer tokens). vLLM's
+    CPU platform turns chunked prefill and prefix caching off for MLA models, so on CPU every
+    prompt is prefilled whole."""
+    if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
+    tokens = MAX_TOKENS if op_backend == "auto" else 6
+    expected = _generate(models["deepseek_v2"], lean=False, dtype=dtype, max_tokens=tokens, replaced="CPU_MLA")
+    assert mla_decodes == []
+    impls = []
+    got = _generate(models["deepseek_v2"], lean=True, dtype=dtype, impls=impls, max_tokens=tokens, replaced="CPU_MLA")
+    assert got == expected and len({tuple(t) for t in got}) == len(PROMPTS)
+    assert impls == [["LeanCPUMLAImpl/16/1"]] and mla_decodes

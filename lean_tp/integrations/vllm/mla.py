@@ -1,0 +1,180 @@
+"""``LEAN_MLA``: MLA decode (DeepSeek-V2/V3, Kimi-K2) on ``lean_tp.decode_attention``, in vLLM's
+MLA common backend.
+
+vLLM's MLA layer runs prefill non-absorbed through the impl's prefill path and decode absorbed
+through ``forward_mqa``: q (rows, H, kv_lora_rank + rope) over the latent cache (num_blocks,
+block_size, kv_lora_rank + rope). ``LEAN_MLA`` keeps vLLM's prefill, metadata and cache writes
+and runs ``forward_mqa`` on lean, the cache passed as K and its first ``kv_lora_rank`` columns as
+V (a view: the kernel reads each latent row once for both products). The impl is vLLM's Triton
+MLA's on GPUs (its prefill path) and its CPU MLA's on CPU, where vLLM always picks ``CPU_MLA``,
+so ``LEAN_MLA`` runs in its place (``lean_tp.integrations.vllm.in_place_of("CPU_MLA")``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm import envs
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+
+from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, op_backend
+from lean_tp.ops.decode_attention import decode_attention
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
+
+NAME_MLA = "LEAN_MLA"
+# The latent row the kernel has a tuning entry for (kv_lora_rank 512 + 64 rope dims).
+MLA_HEAD_SIZES = [576]
+
+
+def lean_forward_mqa(
+    impl, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, metadata, layer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed decode of ``metadata.decode``'s requests on lean: q (rows, H, rank + rope), rows =
+    requests x a uniform query length; kv_cache (num_blocks, block_size, rank + rope), fp8 viewed
+    as such by vLLM, with ``layer._k_scale`` for the latent rows. Returns out (rows, H, rank) in q's
+    dtype and lse (rows, H) float32, natural log.
+
+    A causal block of up to ``MAX_QUERY_TOKENS`` drafts per request runs as one query of Tq tokens
+    (the drafts share each K/V tile); longer or non-causal blocks run one row per query token, each
+    with its own length, as vLLM's Triton MLA does.
+    """
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
+    decode = metadata.decode
+    seq_lens, block_table = decode.seq_lens.to(torch.int32), decode.block_table.to(torch.int32)
+    requests, (rows, heads, _) = seq_lens.shape[0], q.shape
+    tq = rows // requests if requests else 1
+    kv = kv_cache.unsqueeze(2)  # one latent "head"
+    scale = layer._k_scale if kv.dtype in FP8_CACHE_DTYPES.values() else None
+    causal = getattr(metadata, "causal", True)
+    if tq > 1 and not (causal and tq <= MAX_QUERY_TOKENS):
+        block_table = block_table.repeat_interleave(tq, dim=0)
+        offsets = torch.arange(1 - tq, 1, device=seq_lens.device, dtype=seq_lens.dtype) if causal else 0
+        seq_lens = (seq_lens[:, None] + offsets).expand(-1, tq).flatten().clamp_min(0).to(torch.int32)
+        tq = 1
+    out, lse = decode_attention(
+        q.view(rows // tq, tq, heads, -1) if tq > 1 else q,
+        kv,
+        kv[..., : impl.kv_lora_rank],
+        seq_lens,
+        block_table=block_table,
+        softmax_scale=impl.scale,
+        return_lse=True,
+        backend=impl.op_backend,
+        k_scale=scale,
+        v_scale=scale,
+        batch_invariant=impl.batch_invariant,
+    )
+    return out.view(rows, heads, -1), lse.view(rows, heads)
+
+
+class LeanMLAImpl(TritonMLAImpl):
+    """GPU: vLLM's Triton MLA impl (its prefill) with decode on lean. fp8 latent caches run on
+    sm_80 too (the kernel converts e4m3 by hand there), so Triton MLA's sm_89 check is skipped."""
+
+    supports_dcp: bool = False
+    can_return_lse_for_decode: bool = True
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:  # fmt: skip
+        MLACommonImpl.__init__(
+            self,
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            **mla_args,
+        )
+        _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type)
+        if kv_cache_dtype in FP8_CACHE_DTYPES:
+            self.supports_quant_query_input = False  # bf16 q against the fp8 latent rows
+        self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+
+    forward_mqa = lean_forward_mqa
+
+
+class LeanCPUMLAImpl(CPUMLAImpl):
+    """CPU: vLLM's CPU MLA impl (its SDPA prefill and cache writes) with decode on lean."""
+
+    def __init__(self, *args, **mla_args) -> None:
+        super().__init__(*args, **mla_args)
+        self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+
+    forward_mqa = lean_forward_mqa
+
+
+def _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type) -> None:
+    """MLA layers as DeepSeek's: decoder self-attention with none of alibi, window or softcap."""
+    given = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    for name, value in given.items():
+        if value:
+            raise ValueError(f"{name}: expected None for the {NAME_MLA} backend (MLA models use none), got {value!r}")
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(f"attn_type: expected decoder self-attention for the {NAME_MLA} backend, got {attn_type!r}")
+
+
+class LeanMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    # Uniform multi-token decode blocks (MTP/EAGLE verification) go to forward_mqa, as one query
+    # of Tq tokens or one row per token; CUDA graphs capture uniform decode batches.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    supports_non_causal_multi_token_decode: ClassVar[bool] = True
+
+
+class LeanMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = (
+        [torch.float16, torch.bfloat16, torch.float32] if current_platform.is_cpu() else [torch.float16, torch.bfloat16]
+    )
+    # vLLM's CPU MLA cache write stores the model's dtype only.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = (
+        ["auto"] if current_platform.is_cpu() else ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME_MLA
+
+    @staticmethod
+    def get_impl_cls() -> type[MLACommonImpl]:
+        return LeanCPUMLAImpl if current_platform.is_cpu() else LeanMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[LeanMLAMetadataBuilder]:
+        return LeanMLAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(MLA_HEAD_SIZES)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(PAGE_SIZES)
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size in PAGE_SIZES
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True  # under VLLM_BATCH_INVARIANT=1 decode runs the op's batch-invariant mode
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major >= 8  # sm_80 and later: the kernel's tuning entries

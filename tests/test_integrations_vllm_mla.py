@@ -1,0 +1,127 @@
+"""The vLLM MLA backend (``LEAN_MLA``) at the level of its decode: ``forward_mqa`` of the impl vLLM
+builds for an MLA layer, over a paged latent cache with shuffled pages, against the float64
+reference of the op (V the first 512 columns of each latent row). Needs vLLM (CI's vLLM leg)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+import lean_tp.integrations.vllm as lean_vllm  # noqa: E402
+from lean_tp.integrations.vllm import mla as lean_mla  # noqa: E402
+from lean_tp.integrations.vllm.mla import LeanCPUMLAImpl, LeanMLABackend  # noqa: E402
+from lean_tp.ops.decode_attention import decode_attention_ref  # noqa: E402
+
+RANK, ROPE, HEADS, BLOCK = 512, 64, 16, 16
+SCALE = 192**-0.5  # DeepSeek's q.k scale: qk_nope 128 + rope 64
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _impl() -> LeanCPUMLAImpl:
+    return LeanCPUMLAImpl(
+        HEADS, RANK + ROPE, SCALE, 1, None, None, "auto", None, AttentionType.DECODER, None,
+        q_lora_rank=None, kv_lora_rank=RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE, qk_head_dim=192,
+        v_head_dim=128, kv_b_proj=None,
+    )  # fmt: skip
+
+
+def _decode_batch(lens: list[int], rows_per_request: int, dtype: torch.dtype, seed: int):
+    """q (rows, H, 576), the paged latent cache (num_blocks, BLOCK, 576) with shuffled pages (page 0
+    unused, as vLLM's null page), and the metadata forward_mqa reads."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [max(1, math.ceil(n / BLOCK)) for n in lens]
+    pages = (torch.randperm(sum(needed), generator=g) + 1).int().split(needed)
+    table = torch.zeros(len(lens), max(needed), dtype=torch.int32)
+    for b, row in enumerate(pages):
+        table[b, : len(row)] = row
+    cache = torch.randn(sum(needed) + 1, BLOCK, RANK + ROPE, generator=g).to(dtype)
+    q = torch.randn(len(lens) * rows_per_request, HEADS, RANK + ROPE, generator=g).to(dtype)
+    decode = SimpleNamespace(block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    return q, cache, decode
+
+
+def _reference(q, cache, decode, tq: int, causal: bool = True, k_scale=None):
+    """float64 out (rows, H, 512) and lse (rows, H): the op's reference, causal drafts as one query
+    of tq tokens, non-causal ones as rows that each see the whole sequence."""
+    kv = cache.unsqueeze(2)
+    table, lens = decode.block_table, decode.seq_lens
+    if tq > 1 and not causal:
+        table, lens, tq = table.repeat_interleave(tq, 0), lens.repeat_interleave(tq), 1
+    q4 = q.view(-1, tq, *q.shape[1:]) if tq > 1 else q
+    scales = dict(k_scale=k_scale, v_scale=k_scale) if k_scale is not None else {}
+    out, lse = decode_attention_ref(q4, kv, kv[..., :RANK], lens, block_table=table, softmax_scale=SCALE, **scales)
+    return out.reshape(q.shape[0], HEADS, RANK), lse.reshape(q.shape[0], HEADS)
+
+
+@pytest.mark.parametrize(
+    "tq,causal,dtype",
+    [(1, True, torch.float32), (1, True, torch.bfloat16), (3, True, torch.float32), (2, False, torch.float32),
+     (20, True, torch.float32)],
+    ids=["decode", "decode-bf16", "mtp3", "non-causal2", "drafts20"],
+)  # fmt: skip
+def test_forward_mqa_matches_float64(tq, causal, dtype):
+    """Decode and uniform draft blocks: up to 16 causal drafts as one query of Tq tokens, longer or
+    non-causal blocks as rows; lengths around the 16-key pages."""
+    lens = [1, 15, 16, 17, 100]
+    q, cache, decode = _decode_batch(lens, tq, dtype, seed=tq)
+    meta = SimpleNamespace(decode=decode, causal=causal)
+    out, lse = _impl().forward_mqa(q, cache, meta, SimpleNamespace(_k_scale=torch.ones(1)))
+    ref_out, ref_lse = _reference(q, cache, decode, tq, causal)
+    assert out.shape == (q.shape[0], HEADS, RANK) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL[dtype], rtol=0)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_forward_mqa_fp8_latent_cache_and_split_q():
+    """An e4m3 latent cache with vLLM's per-tensor ``_k_scale``, and q handed as (q_nope, q_pe)."""
+    lens = [3, 40, 77]
+    q, cache, decode = _decode_batch(lens, 1, torch.bfloat16, seed=7)
+    fp8 = (cache.float() * 4).to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.25])
+    out, _ = _impl().forward_mqa((q[..., :RANK], q[..., RANK:]), fp8, SimpleNamespace(decode=decode), _layer(scale))
+    ref_out, _ = _reference(q, fp8, decode, 1, k_scale=scale)
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL[torch.bfloat16], rtol=0)
+
+
+def _layer(k_scale):
+    return SimpleNamespace(_k_scale=k_scale)
+
+
+def test_forward_mqa_on_the_kernel_and_batch_invariant_mode(monkeypatch):
+    """LEAN_TP_VLLM_BACKEND=triton runs the kernel (the interpreter here) with V read from K's tile;
+    VLLM_BATCH_INVARIANT=1 runs the op's batch-invariant mode: a request's bits alone and in a batch."""
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    impl = _impl()
+    assert impl.op_backend == "triton" and impl.batch_invariant
+    lens = [70, 5, 130]
+    q, cache, decode = _decode_batch(lens, 1, torch.bfloat16, seed=9)
+    out, _ = impl.forward_mqa(q, cache, SimpleNamespace(decode=decode), _layer(torch.ones(1)))
+    torch.testing.assert_close(out.double(), _reference(q, cache, decode, 1)[0], atol=TOL[torch.bfloat16], rtol=0)
+    alone = SimpleNamespace(block_table=decode.block_table[:1], seq_lens=decode.seq_lens[:1])
+    first, _ = impl.forward_mqa(q[:1], cache, SimpleNamespace(decode=alone), _layer(torch.ones(1)))
+    assert torch.equal(first[0], out[0])
+
+
+def test_registration_in_place_of_cpu_mla(monkeypatch):
+    """register() adds LEAN_MLA beside LEAN; in place of CPU_MLA (vLLM's CPU platform always picks
+    it) the MLA class goes in, in place of CPU_ATTN the other."""
+    lean_vllm.register()
+    assert AttentionBackendEnum["LEAN_MLA"].get_class() is LeanMLABackend
+    assert LeanMLABackend.is_mla() and LeanMLABackend.supports_batch_invariance()
+    assert LeanMLABackend.get_supported_head_sizes() == [576] and LeanMLABackend.supports_block_size(64)
+    assert not LeanMLABackend.supports_block_size(48)
+    with lean_vllm.in_place_of("CPU_MLA"):
+        assert AttentionBackendEnum["CPU_MLA"].get_class() is LeanMLABackend
+    assert AttentionBackendEnum["CPU_MLA"].get_class() is not LeanMLABackend
+    with pytest.raises(ValueError, match="logits_soft_cap: expected None for the LEAN_MLA backend"):
+        lean_mla._check_layer(None, None, 30.0, AttentionType.DECODER)
