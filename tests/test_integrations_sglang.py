@@ -21,6 +21,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention  # n
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mla_kit  # noqa: E402
 from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as kit_graph  # noqa: E402
 from sglang.test.kits.attention_unittest.runner_modes import (
     speculative_target_verify_runner as kit_verify,  # noqa: E402
@@ -327,6 +328,53 @@ def test_sglang_deterministic_inference_is_batch_invariant(op_backend):
     assert torch.equal(outs[0][0], outs[1][0])
 
 
+# -- MLA (DeepSeek): the kit's MLA attention over SGLang's latent pool --------------------------------
+
+MLA_CASES = mla_kit.make_mla_cases(NAME)
+# The kit's tiny DeepSeek attention with DeepSeek's latent row, the pair lean's kernel takes.
+MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+@pytest.fixture
+def checked_calls(monkeypatch):
+    """Each lean call the backend makes, checked against the op's float64 reference on the same
+    arguments (the latent pool as K, its first 512 columns as V): the q shapes."""
+    calls = []
+    real = lean_backend.decode_attention
+
+    def checked(q, k_cache, v_cache, seq_lens, **kwargs):
+        out = real(q, k_cache, v_cache, seq_lens, **kwargs)
+        assert v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[-1] == 512 < k_cache.shape[-1]
+        ref_kwargs = {k: kwargs[k] for k in ("block_table", "softmax_scale", "k_scale", "v_scale")}
+        ref, _ = decode_attention_ref(q, k_cache, v_cache, seq_lens, **ref_kwargs)
+        torch.testing.assert_close(out.double(), ref, atol=TOL[q.dtype], rtol=0)
+        calls.append(tuple(q.shape))
+        return out
+
+    monkeypatch.setattr(lean_backend, "decode_attention", checked)
+    return calls
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c.name for c in MLA_CASES])
+def test_sglang_kit_mla_case(case, checked_calls):
+    """Every MLA case of the kit (page sizes 1, 16, 32; prefixes around the page): decodes run on
+    lean over the latent pool, each call against float64; extends on the torch-native delegate."""
+    mla_kit.run_mla_attention_case(_Case(), case, device="cpu", dtype=torch.float32, **MLA_DIMS)
+    assert len(checked_calls) == (1 if case.forward_mode.is_decode() else 0)
+    if checked_calls:
+        assert checked_calls[0][-1] == 576
+
+
+def test_sglang_kit_mla_decode_on_the_kernel(checked_calls, monkeypatch):
+    """The kit's MLA decode on the Triton kernel (the interpreter), V read from K's tile."""
+    if not INTERPRETED:
+        pytest.skip("the Triton op backend runs on CPU under TRITON_INTERPRET=1 only")
+    monkeypatch.setenv(lean_backend.BACKEND_ENV, "triton")
+    case = next(c for c in MLA_CASES if c.name == "mla_decode_page_boundary")
+    mla_kit.run_mla_attention_case(_Case(), case, device="cpu", dtype=torch.float16, **MLA_DIMS)
+    assert len(checked_calls) == 1
+
+
 # -- settings the backend cannot run ----------------------------------------------------------------
 
 
@@ -341,7 +389,7 @@ def _runner(**changes):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(use_mla_backend=True), "MLA"),
+        (dict(use_mla_backend=True), "KV pool: expected SGLang's MLATokenToKVPool"),
         (dict(model_config=SimpleNamespace(is_encoder_decoder=True)), "encoder-decoder"),
     ],
 )
@@ -355,7 +403,7 @@ def test_sglang_refuses_runners_it_cannot_serve(change, message):
     [
         (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, is_cross_attention=True), "attn_type"),
         (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, attn_type=AttentionType.ENCODER_ONLY), "attn_type"),
-        (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, v_head_dim=32), "head_dim"),
+        (lambda: RadixAttention(4, 64, 0.125, 2, layer_id=0, v_head_dim=32), r"or an MLA pair in \[\(576, 512\)\]"),
         (lambda: RadixAttention(4, 12, 0.125, 2, layer_id=0), "head_dim: expected a multiple of 8"),
     ],
 )

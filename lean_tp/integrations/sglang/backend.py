@@ -5,7 +5,9 @@ SGLang keeps each layer's keys and values in a token-to-KV pool, ``(num_slots, H
 ``req_to_token[r, j]``. With a page size ``ps`` that is a power of two the pool is a paged cache
 ``(num_slots / ps, ps, Hkv, D)`` and a request's block table is every ``ps``-th entry of its
 ``req_to_token`` row divided by ``ps``; SGLang's default ``ps = 1`` makes the pool one-token pages
-and the row itself the block table. Each forward builds that table once, for all layers, from the
+and the row itself the block table. MLA models (DeepSeek) keep one latent row per token
+(``MLATokenToKVPool``, ``(num_slots, 1, kv_lora_rank + rope)``): it is the op's K, and its first
+``kv_lora_rank`` columns, a view, its V. Each forward builds that table once, for all layers, from the
 columns its longest request uses (one gather per step; the op reads tables by sequence, not by
 SGLang's request slot). Under CUDA graphs the table and lengths live in buffers sized at capture
 and refilled before each replay.
@@ -18,14 +20,14 @@ from dataclasses import dataclass
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.runtime_context import get_exec
 
 from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.sglang import NAME
 from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import FP8_DTYPES, MAX_QUERY_TOKENS, is_page_size
-from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, kernel_takes_head_dim
+from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, head_dim_pairs, kernel_takes_head_dim
 
 # The op backend decode runs on: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
 BACKEND_ENV = "LEAN_TP_SGLANG_BACKEND"
@@ -56,14 +58,16 @@ def cache_page_size(page_size: int) -> int:
 
 def runner_problem(model_runner) -> str | None:
     """Why the backend cannot serve a model runner, naming the setting; None if it can."""
+    pool = model_runner.token_to_kv_pool
     if model_runner.use_mla_backend:
-        return (
-            f"model: expected multi-head or grouped-query attention for the {NAME} backend, got MLA "
-            "(use --attention-backend triton or flashinfer)"
-        )
+        if type(pool) is not MLATokenToKVPool or pool.use_dsa:
+            return (
+                f"KV pool: expected SGLang's MLATokenToKVPool (dense MLA) for the {NAME} backend, got "
+                f"{type(pool).__name__}{' with DSA' if getattr(pool, 'use_dsa', False) else ''}"
+            )
+        return None
     if model_runner.model_config.is_encoder_decoder:
         return f"model: expected a decoder-only model for the {NAME} backend, got an encoder-decoder (cross attention)"
-    pool = model_runner.token_to_kv_pool
     if type(pool) is not MHATokenToKVPool:
         return (
             f"KV pool: expected SGLang's MHATokenToKVPool for the {NAME} backend, got {type(pool).__name__} "
@@ -90,11 +94,12 @@ def layer_problem(layer) -> str | None:
             f"(cross attention: {layer.is_cross_attention})"
         )
     if layer.qk_head_dim != layer.v_head_dim:
-        return (
-            f"head_dim: expected equal q/k and v head dims for the {NAME} backend, got {layer.qk_head_dim} "
-            f"and {layer.v_head_dim}"
-        )
-    if not kernel_takes_head_dim(layer.qk_head_dim):
+        if (layer.qk_head_dim, layer.v_head_dim) not in head_dim_pairs():
+            return (
+                f"head_dim: expected equal q/k and v head dims, or an MLA pair in {head_dim_pairs()}, for the "
+                f"{NAME} backend, got {layer.qk_head_dim} and {layer.v_head_dim}"
+            )
+    elif not kernel_takes_head_dim(layer.qk_head_dim):
         return (
             f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM} for the {NAME} backend, "
             f"got {layer.qk_head_dim}"
@@ -126,7 +131,7 @@ class LeanAttnBackend(AttentionBackend):
         # The delegate is SGLang's Triton backend on GPUs (graphs, sinks), its torch-native one elsewhere.
         self.on_gpu = torch.device(model_runner.device).type == "cuda"
         self.delegate = _delegate(model_runner, self.on_gpu)
-        self.pool = model_runner.token_to_kv_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token  # (max_reqs, max_context_len) int32
         self.page_size = cache_page_size(model_runner.page_size)
         self.max_pages = -(-self.req_to_token.shape[1] // self.page_size)  # a table row at full context
@@ -226,24 +231,37 @@ class LeanAttnBackend(AttentionBackend):
         self._checked_layers.add(layer.layer_id)
 
     def _run_lean(self, q, k, v, layer, forward_batch, save_kv_cache: bool, sinks) -> torch.Tensor:
-        """q (T, Hq * D) or (T, Hq, D), T = B * query_len; k, v (T, Hkv, D) new keys and values.
-        Returns (T, Hq * D)."""
+        """q (T, Hq * D) or (T, Hq, D), T = B * query_len; k, v (T, Hkv, D) new keys and values
+        (MLA: k the latent rows (T, 1, D), v their first Dv columns). Returns (T, Hq * Dv)."""
         self._check_layer(layer)
         meta = self.forward_metadata
+        mla = type(self.token_to_kv_pool) is MLATokenToKVPool
         if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale)
+            loc = KVWriteLoc.for_batch(forward_batch)
+            if mla:  # k is the latent row (T, 1, rank + rope), which holds v
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+            else:
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         batch = meta.seq_lens.shape[0]
         q = q.reshape(batch, meta.query_len, heads, dim) if meta.query_len > 1 else q.reshape(batch, heads, dim)
-        k_cache, v_cache = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         pool_shape = (-1, self.page_size, layer.tp_k_head_num, dim)
+        if mla:  # V is the latent rows' first v_head_dim columns: a view of K, read from K's tile
+            k_cache = k_cache.view(pool_shape)
+            v_cache = k_cache[..., : layer.v_head_dim]
+        else:
+            k_cache, v_cache = (
+                k_cache.view(pool_shape),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(pool_shape),
+            )
         fp8 = k_cache.dtype in FP8_DTYPES
         scale = lambda s: (s if s is not None else 1.0) if fp8 else None  # noqa: E731
         window = layer.sliding_window_size
         out = decode_attention(
             q,
-            k_cache.view(pool_shape),
-            v_cache.view(pool_shape),
+            k_cache,
+            v_cache,
             meta.seq_lens,
             block_table=meta.block_table,
             softmax_scale=layer.scaling,
@@ -252,11 +270,11 @@ class LeanAttnBackend(AttentionBackend):
             window=window + 1 if window is not None and window > -1 else None,
             sinks=None if sinks is None else sinks.float(),
             k_scale=scale(layer.k_scale_float),
-            v_scale=scale(layer.v_scale_float),
+            v_scale=scale(layer.k_scale_float if mla else layer.v_scale_float),  # MLA: one latent row, one scale
             backend=self.op_backend,
             batch_invariant=self.batch_invariant,
         )
-        return out.view(-1, heads * dim)
+        return out.view(-1, heads * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         if self.forward_metadata is None:
