@@ -375,6 +375,30 @@ def test_sglang_kit_mla_decode_on_the_kernel(checked_calls, monkeypatch):
     assert len(checked_calls) == 1
 
 
+# -- SGLang's engine on CPU ---------------------------------------------------------------------------
+
+
+def test_sglang_engine_on_cpu_generates_torch_natives_tokens(tmp_path):
+    """``sglang.Engine(device="cpu")`` on a small random Llama: greedy tokens with ``lean`` equal
+    ``torch_native``'s, prompts sharing a 40-token prefix that the radix cache serves to the later
+    ones (tests/sglang_engine_worker.py, in its own process: the engine starts its scheduler in
+    processes of its own)."""
+    import json
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "sglang_engine_worker.py")
+    proc = subprocess.run(
+        [sys.executable, worker, str(tmp_path / "llama")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    lean, native = result["lean"], result["torch_native"]
+    assert lean["tokens"] == native["tokens"] and len({tuple(t) for t in lean["tokens"]}) == 4
+    assert all(len(t) == 12 for t in lean["tokens"])
+    assert lean["cached"] == native["cached"] == [0, 40, 40, 40]
+
+
 # -- settings the backend cannot run ----------------------------------------------------------------
 
 
