@@ -243,12 +243,16 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
 
 def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     """What the CPU tests compile, a third of ``--variants``: the one-token decode rows of every
-    16-bit entry and layout and of every fp32 entry on one layout; and each other kind of job (a
+    16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout; and each other kind of job (a
     feature or variant: the job without its arch and head dim) on one head dim, rotating over the
     head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
     sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
+        # MLA's kernels take about 3x a D=128 kernel's compile: the sample keeps their 16-bit rows on
+        # the contiguous and paged16 layouts and their e4m3 rows, the rest is the full report's.
+        if paired_head_dim_v(job[1]) and (job[3] == "paged64" or job[7] not in ("", "fp8_e4m3") or job[2] == "bf16"):
+            continue
         if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
                 entry, layout = divmod(fp32_seen, len(LAYOUTS))
