@@ -7,6 +7,7 @@ Triton interpreter with 16-key chunks (``CONFIG``), so that groups of
 by one all occur at lengths the interpreter runs quickly; one test uses the table's own entry.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -84,6 +85,25 @@ def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 
                 (alone[i][0][0], alone[i][1][0]),
                 f"request {i} at {j} of batch {idx} on {programs} programs",
             )
+
+
+# Folds of 4 partials a wave (rows 16 x D 64: 1024 elements a partial); CONFIG folds one at a time.
+WAVE_CONFIG = dataclasses.replace(CONFIG, merge_wave_elems=4096)
+
+
+def test_folds_in_waves_keep_the_one_at_a_time_bits():
+    """An output's groups and a group's chunks folded 4 at a time give the bits of folding them
+    one at a time: outputs of exactly one wave of groups (4) and of one more (5), on 29 programs, so
+    that groups are split over several programs and their chunks folded in waves too."""
+    lens = [4 * GROUP_KEYS, 4 * GROUP_KEYS + 1]
+    inputs = make_feature_inputs(lens, 4, 1, 64, torch.float32, "paged16", seed=23)
+    call = select(inputs, list(range(len(lens))))
+    waves = [
+        plan_decode(**call, batch_invariant=True, config=c).kernel.constexprs["WAVE"] for c in (WAVE_CONFIG, CONFIG)
+    ]
+    assert waves == [4, 1]
+    got = run(inputs, [0, 1], 29, config=WAVE_CONFIG)
+    assert_same_bits(got, run(inputs, [0, 1], 29), "29 programs")
 
 
 CASES = {

@@ -51,12 +51,26 @@ def _fold_pair(acc1, m1, l1, acc2, m2, l2):
 
 
 @triton.jit
-def _fold_output(ws_acc_ptr, ws_ml_ptr, group_slot0, n_groups, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Fold the values of an output's n_groups groups (slots group_slot0 + k), left to right."""
+def _fold_output(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    group_slot0,
+    n_groups,
+    n_rows,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WAVE: tl.constexpr,
+):
+    """Fold the values of an output's n_groups groups (slots group_slot0 + k), left to right, WAVE
+    at a time: a wave's loads do not wait on its folds, so it waits for L2 about once. Past
+    n_groups a load reads nothing and gives the empty state, whose fold leaves every bit as it was
+    (``_fold_pair``: its weight is exp2(-inf) = 0, the state's exp2(0) = 1)."""
     acc, m, l = _empty_state(BLOCK_G, BLOCK_D)
-    for k in range(0, n_groups):
-        g_acc, g_m, g_l = load_partial(ws_acc_ptr, ws_ml_ptr, group_slot0 + k, n_rows, BLOCK_D, BLOCK_G)
-        acc, m, l = _fold_pair(acc, m, l, g_acc, g_m, g_l)
+    for k0 in range(0, n_groups, WAVE):
+        for w in tl.static_range(WAVE):
+            rows = tl.where(k0 + w < n_groups, n_rows, 0)
+            g_acc, g_m, g_l = load_partial(ws_acc_ptr, ws_ml_ptr, group_slot0 + k0 + w, rows, BLOCK_D, BLOCK_G)
+            acc, m, l = _fold_pair(acc, m, l, g_acc, g_m, g_l)
     return acc, m, l
 
 
@@ -75,6 +89,7 @@ def _publish_group(
     g_l,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    WAVE: tl.constexpr,
 ):
     """Write group k's value of a split output and count it in; the last of the output's groups
     to arrive folds them all. Returns (whether this program did, and the output's state)."""
@@ -83,7 +98,7 @@ def _publish_group(
     done = arrive(counter_ptr + out_counter, n_groups)
     acc, m, l = _empty_state(BLOCK_G, BLOCK_D)
     if done:
-        acc, m, l = _fold_output(ws_acc_ptr, ws_ml_ptr, group_slot0, n_groups, n_rows, BLOCK_D, BLOCK_G)
+        acc, m, l = _fold_output(ws_acc_ptr, ws_ml_ptr, group_slot0, n_groups, n_rows, BLOCK_D, BLOCK_G, WAVE)
     return done, acc, m, l
 
 
@@ -99,16 +114,20 @@ def _fold_group(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     IGROUP: tl.constexpr,
+    WAVE: tl.constexpr,
 ):
     """Value of the group of chunks [g0, g1) (linear tile indices) that several programs hold: the
     first holder's fold of its chunks, then each later chunk from its holder's slot, in order."""
     p = program_of_tile(g0, total, n_active)
     acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, BLOCK_D, BLOCK_G)
-    for t in range(program_start(p + 1, total, n_active), g1):
-        holder = program_of_tile(t, total, n_active)
-        o_slot = holder * IGROUP + t - program_start(holder, total, n_active)
-        c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D, BLOCK_G)
-        acc, m, l = _fold_pair(acc, m, l, c_acc, c_m, c_l)
+    for t0 in range(program_start(p + 1, total, n_active), g1, WAVE):
+        for w in tl.static_range(WAVE):  # a wave of chunks, as in _fold_output
+            t = t0 + w
+            holder = program_of_tile(t, total, n_active)
+            o_slot = holder * IGROUP + t - program_start(holder, total, n_active)
+            rows = tl.where(t < g1, n_rows, 0)
+            c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, BLOCK_D, BLOCK_G)
+            acc, m, l = _fold_pair(acc, m, l, c_acc, c_m, c_l)
     return acc, m, l
 
 
@@ -128,6 +147,7 @@ def _finish_group(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     IGROUP: tl.constexpr,
+    WAVE: tl.constexpr,
 ):
     """Count this program in at group k of a split output, after publishing its chunks of it; the
     last holder to arrive folds the group and publishes its value. Returns ``_publish_group``'s
@@ -140,7 +160,9 @@ def _finish_group(
     done = False
     acc, m, l = _empty_state(BLOCK_G, BLOCK_D)
     if arrive(counter_ptr + p_first, holders):
-        g_acc, g_m, g_l = _fold_group(ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, BLOCK_D, BLOCK_G, IGROUP)
+        g_acc, g_m, g_l = _fold_group(
+            ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, BLOCK_D, BLOCK_G, IGROUP, WAVE
+        )
         done, acc, m, l = _publish_group(
             ws_acc_ptr,
             ws_ml_ptr,
@@ -155,6 +177,7 @@ def _finish_group(
             g_l,
             BLOCK_D,
             BLOCK_G,
+            WAVE,
         )
     return done, acc, m, l
 
@@ -215,6 +238,7 @@ def attend_invariant(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    WAVE: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of an output of
     n_tiles chunks; n_rows real rows): each chunk attended from a fresh state and folded as this
@@ -290,6 +314,7 @@ def attend_invariant(
                         g_l,
                         BLOCK_D,
                         BLOCK_G,
+                        WAVE,
                     )
                     done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
                 g_acc, g_m, g_l = _empty_state(BLOCK_G, BLOCK_D)
@@ -310,6 +335,7 @@ def attend_invariant(
             BLOCK_D,
             BLOCK_G,
             IGROUP,
+            WAVE,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
     if (stop % IGROUP != 0) & (stop < n_tiles) & (stop // IGROUP * IGROUP >= lead_end):
@@ -330,6 +356,7 @@ def attend_invariant(
             BLOCK_D,
             BLOCK_G,
             IGROUP,
+            WAVE,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
     return done, o_acc, o_m, o_l

@@ -246,6 +246,7 @@ def decode_attention_fwd_kernel(
                 HEAD_DIM_T,
                 BLOCK_DT,
                 V_IN_K,
+                WAVE,
             )
         else:
             b_acc, b_m, b_l = attend_segment(

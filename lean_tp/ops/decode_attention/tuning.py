@@ -33,8 +33,9 @@ class DecodeConfig:
     num_stages: int
     max_programs_per_sm: int  # cap on the occupancy-derived programs per SM
     reason: str
-    # fp32 elements of partials the merge loads per loop iteration ([members, BLOCK_G, BLOCK_D]):
-    # fewer iterations per merge level, at the price of registers (see _WAVE80, _WAVE90).
+    # fp32 elements of partials the merge loads per loop iteration ([members, BLOCK_G, BLOCK_D]),
+    # and the batch-invariant folds per wave (invariant.py): fewer L2 round trips per merge level
+    # or fold, at the price of registers (see _WAVE80, _WAVE90).
     merge_wave_elems: int = 1024
     # Paged caches: V's key addresses are K's (when V's strides equal K's) instead of formed a
     # second time from the same page ids (see _NO_SHARE). Contiguous caches never share: there a

@@ -201,7 +201,7 @@ def lean_sim_schedule(
     partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
     plan = merge_plan(programs)
     if batch_invariant:
-        end, chain = _invariant_merges(programs, seg_end, kv_end, partial, gpu)
+        end, chain = _invariant_merges(programs, seg_end, kv_end, partial, cx["WAVE"], gpu)
     else:
         end, chain = _tree_merges(plan, seg_end, kv_end, partial, cx["WAVE"], gpu)
     return Schedule(
@@ -232,12 +232,14 @@ def _tree_merges(plan: dict, seg_end: dict, kv_end: float, partial: int, wave: i
     return end, chain
 
 
-def _invariant_merges(programs, seg_end: dict, kv_end: float, partial: int, gpu: GPUModel) -> tuple[float, int]:
+def _invariant_merges(
+    programs, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel
+) -> tuple[float, int]:
     """(end, longest chain of partials) of the batch-invariant mode's merges (``invariant.py``). For
     each split output, each group of ``INVARIANT_GROUP_CHUNKS`` chunks is ready when its holders'
     segments end; a group with several holders is then merged from its first holder's fold and
-    each later chunk's partial, and the output from its groups' values, both as sequential folds:
-    one L2 round trip per partial (the loads are not assumed to overlap) plus the arrival atomic."""
+    each later chunk's partial, and the output from its groups' values, both as left-to-right
+    folds of ``wave`` partials loaded at once: one L2 round trip per wave plus the arrival atomic."""
     holders: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
     for p, segments in enumerate(programs):
         for s in segments:
@@ -253,9 +255,9 @@ def _invariant_merges(programs, seg_end: dict, kv_end: float, partial: int, gpu:
             ready = max(t for _, _, t in own)
             loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
             if loads:
-                ready += _merge_level_us(loads, 1, partial, gpu)
+                ready += _merge_level_us(loads, wave, partial, gpu)
             groups.append((ready, loads))
-        end = max(end, max(r for r, _ in groups) + _merge_level_us(len(groups), 1, partial, gpu))
+        end = max(end, max(r for r, _ in groups) + _merge_level_us(len(groups), wave, partial, gpu))
         chain = max(chain, max(c for _, c in groups) + len(groups))
     return end, chain
 
