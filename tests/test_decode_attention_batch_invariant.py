@@ -106,6 +106,32 @@ def test_folds_in_waves_keep_the_one_at_a_time_bits():
     assert_same_bits(got, run(inputs, [0, 1], 29), "29 programs")
 
 
+def _paged_copy(cache: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
+    """A pool (pages, page, Hkv, D) holding contiguous ``cache`` (B, Hkv, S, D) at the pages of
+    ``table`` (B, S / page), random values in every other page."""
+    batch, heads, capacity, dim = cache.shape
+    pool = torch.randn(table.numel() + 2, page, heads, dim).to(cache.dtype)
+    rows = cache.view(batch, heads, capacity // page, page, dim).permute(0, 2, 3, 1, 4)
+    pool[table.long().flatten()] = rows.reshape(-1, page, heads, dim)
+    return pool
+
+
+def test_the_same_bits_in_a_contiguous_cache_and_in_paged_caches_of_every_page_size():
+    """Chunks lie on each sequence's token grid, not the page grid: a contiguous cache and pools
+    of 1-, 16- and 64-token pages holding the same keys give the same bits (two groups of chunks,
+    split over 7 programs)."""
+    inputs = make_feature_inputs([300, 1], 8, 2, 64, torch.float16, "contiguous", seed=5)
+    capacity = 320  # a multiple of every page size
+    for name in ("k_cache", "v_cache"):
+        cache = inputs[name]
+        inputs[name] = torch.nn.functional.pad(cache, (0, 0, 0, capacity - cache.shape[2]))
+    want = run(inputs, [0, 1], 7)
+    for page in (1, 16, 64):
+        table = torch.randperm(2 * capacity // page + 2)[: 2 * capacity // page].view(2, -1).int()
+        pool = {name: _paged_copy(inputs[name], table, page) for name in ("k_cache", "v_cache")}
+        assert_same_bits(run(dict(inputs, **pool, block_table=table), [0, 1], 7), want, f"page size {page}")
+
+
 CASES = {
     "contiguous": dict(layout="contiguous"),
     "paged16": dict(layout="paged16"),
