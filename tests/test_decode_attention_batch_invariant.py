@@ -132,6 +132,18 @@ def test_the_same_bits_in_a_contiguous_cache_and_in_paged_caches_of_every_page_s
         assert_same_bits(run(dict(inputs, **pool, block_table=table), [0, 1], 7), want, f"page size {page}")
 
 
+@pytest.mark.parametrize("tq,tokens", [(4, [0, 3]), (16, [0, 15])])
+def test_a_token_verified_among_drafts_has_its_decode_bits(tq, tokens):
+    """Query token t of a Tq-token verification block (causal among the drafts) gives the bits of
+    decoding it alone at its position (Tq = 1, the keys up to and including it): a row's arithmetic
+    does not change with the rows beside it (Tq 16 with a group of 4: 64-row blocks against 16)."""
+    inputs = make_feature_inputs([270, 17], 8, 2, 64, torch.float16, "paged16", tq=tq, seed=tq)
+    out, lse = run(inputs, [0, 1], 7)
+    for t in tokens:
+        alone = dict(inputs, q=inputs["q"][:, t], cache_seqlens=inputs["cache_seqlens"] - tq + t + 1)
+        assert_same_bits(run(alone, [0, 1], 7), (out[:, t], lse[:, t]), f"token {t} of {tq}")
+
+
 CASES = {
     "contiguous": dict(layout="contiguous"),
     "paged16": dict(layout="paged16"),
