@@ -274,8 +274,8 @@ def fixed_split_schedule(
         for h in range(problem.n_kv_heads)
         for s in range(splits)
     ]
-    combine = splits if splits > 1 else 0
-    return _cta_schedule(method, problem, gpu, ctas, splits, combine * problem.n_heads, programs_per_sm)
+    partials = len(problem.lens) * problem.n_heads * splits if splits > 1 else 0
+    return _cta_schedule(method, problem, gpu, ctas, splits, partials, programs_per_sm)
 
 
 def _cta_schedule(
@@ -284,11 +284,11 @@ def _cta_schedule(
     gpu: GPUModel,
     ctas: list[tuple[int, int]],
     splits: int,
-    partials_per_seq: int,
+    partials: int,
     programs_per_sm: int | None = None,
 ) -> Schedule:
     """CTAs, each (tokens, output) in launch order, dispatched to the least-loaded SM (an empty one
-    exits at once); then, with ``partials_per_seq`` (partials of V's width per sequence) above 0, a
+    exits at once); then, with ``partials`` (partials of V's width, of every sequence) above 0, a
     combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port."""
     sms = gpu.sms
     load = [(0, sm) for sm in range(sms)]
@@ -306,9 +306,9 @@ def _cta_schedule(
     bytes_per_token = problem.bytes_per_token
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
-    if partials_per_seq and any(work):  # no CTA wrote a partial: nothing to combine
-        partials = len(problem.lens) * partials_per_seq * ((problem.head_dim_v or problem.head_dim) + 1) * 4
-        combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + partials / (sms * gpu.l2_port_gbps * 1e3)
+    if partials and any(work):  # no CTA wrote a partial: nothing to combine
+        nbytes = partials * ((problem.head_dim_v or problem.head_dim) + 1) * 4
+        combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + nbytes / (sms * gpu.l2_port_gbps * 1e3)
     return Schedule(
         method,
         sms,
@@ -361,20 +361,8 @@ def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
         for h in range(problem.n_kv_heads)
         for _ in range(m_blocks)
     ]
-    partials = sum(n for n in split if n > 1) * rows * problem.n_kv_heads
-    schedule = _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), 0, programs_per_sm)
-    if partials:  # the combine kernel reads the split requests' partials only
-        schedule = _with_combine(schedule, problem, gpu, partials)
-    return schedule
-
-
-def _with_combine(schedule: Schedule, problem: Problem, gpu: GPUModel, partials: int) -> Schedule:
-    """``schedule`` followed by a combine kernel reading ``partials`` partials of V's width."""
-    nbytes = partials * ((problem.head_dim_v or problem.head_dim) + 1) * 4
-    combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + nbytes / (gpu.sms * gpu.l2_port_gbps * 1e3)
-    schedule.time_us += combine
-    schedule.merge_us += combine
-    return schedule
+    partials = sum(n for n in split if n > 1) * rows * problem.n_kv_heads  # the combine reads split requests' only
+    return _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), partials, programs_per_sm)
 
 
 # vLLM's Triton MLA decode (vllm/v1/attention/backends/mla/triton_mla.py and
@@ -404,7 +392,8 @@ def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | 
         for b, n in enumerate(problem.lens)
         for per in (math.ceil(n / splits),)
     ]
-    return _cta_schedule("triton_mla", problem, gpu, ctas, splits, splits * problem.n_heads, programs_per_sm)
+    partials = len(problem.lens) * splits * problem.n_heads
+    return _cta_schedule("triton_mla", problem, gpu, ctas, splits, partials, programs_per_sm)
 
 
 def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
