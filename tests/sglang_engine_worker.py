@@ -1,5 +1,5 @@
-"""SGLang's engine on CPU: greedy tokens of a small random Llama with ``--attention-backend lean``
-and with ``torch_native``, printed as JSON (``test_integrations_sglang.py`` runs this in a
+"""SGLang's engine on CPU: greedy tokens of a small random Llama (``examples/vllm_generate.py``'s)
+with ``--attention-backend lean`` and with ``torch_native``, printed as JSON (``test_integrations_sglang.py`` runs this in a
 subprocess; the engine starts its scheduler in processes of its own, so it needs a __main__).
 
 Four prompts share a 40-token prefix, so SGLang's radix cache (on by default) serves the later
@@ -12,30 +12,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu_stubs"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torch  # noqa: E402
+from vllm_generate import save_random_model  # noqa: E402  (the vLLM tests' small random Llama)
 
 PREFIX = [(3 * n) % 500 + 1 for n in range(40)]
 PROMPTS = [PREFIX + [(7 * i + n) % 500 + 1 for n in range(5 + 9 * i)] for i in range(4)]
-
-
-def save_llama(path: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        initializer_range=0.2,  # logits far apart: rounding decides no greedy token
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def generate(path: str, backend: str) -> dict:
@@ -66,5 +48,5 @@ def generate(path: str, backend: str) -> dict:
 
 
 if __name__ == "__main__":
-    model = save_llama(sys.argv[1])
+    model = save_random_model(sys.argv[1], "llama")
     print(json.dumps({backend: generate(model, backend) for backend in ("torch_native", "lean")}))
