@@ -328,6 +328,44 @@ def test_sglang_deterministic_inference_is_batch_invariant(op_backend):
     assert torch.equal(outs[0][0], outs[1][0])
 
 
+def test_sglang_deterministic_verify_gives_each_draft_its_decode_bits(monkeypatch, lean_calls):
+    """Under --enable-deterministic-inference chain verification runs the op's batch-invariant mode
+    too: each draft token's rows are bitwise those of decoding it alone, with the keys up to its own
+    position (the kernel, in the interpreter: the op's promise across query lengths)."""
+    if not INTERPRETED:
+        pytest.skip("the Triton op backend runs on CPU under TRITON_INTERPRET=1 only")
+    monkeypatch.setenv(lean_backend.BACKEND_ENV, "triton")
+    drafts, prefix_lens = 3, [5, 30]
+    fixture = _fixture(16, 4, 2, prefix_lens, mode=ForwardMode.TARGET_VERIFY, drafts=drafts)
+    overrides = get_context().override_server_args(enable_deterministic_inference=True)
+    overrides.install()
+    try:
+        backend = lean_sglang.create_backend(fixture.runner)
+    finally:
+        overrides.restore()
+    layer = RadixAttention(4, 64, 0.125, 2, layer_id=0, sliding_window_size=20)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(len(prefix_lens) * drafts, h, 64, generator=gen).half() for h in (4, 2, 2))
+    batch = fixture.forward_batch
+    backend.init_forward_metadata(batch)
+    verified = backend.forward(q, k, v, layer, batch)  # writes the drafts' keys and values
+    for b, prefix in enumerate(prefix_lens):
+        for i in range(drafts):
+            keys = torch.tensor([prefix + i + 1])
+            one = SimpleNamespace(
+                forward_mode=ForwardMode.DECODE,
+                seq_lens=keys,
+                seq_lens_cpu=keys,
+                req_pool_indices=batch.req_pool_indices[b : b + 1],
+                spec_info=None,
+            )
+            backend.init_forward_metadata(one)
+            t = b * drafts + i
+            alone = backend.forward(q[t : t + 1], k[t : t + 1], v[t : t + 1], layer, one, save_kv_cache=False)
+            assert torch.equal(alone[0], verified[t]), f"request {b}, draft {i}"
+    assert lean_calls[0][0] == (2, drafts, 4, 64) and all(kwargs["batch_invariant"] for _, kwargs in lean_calls)
+
+
 # -- MLA (DeepSeek): the kit's MLA attention over SGLang's latent pool --------------------------------
 
 MLA_CASES = mla_kit.make_mla_cases(NAME)
@@ -420,6 +458,21 @@ def _runner(**changes):
 def test_sglang_refuses_runners_it_cannot_serve(change, message):
     with pytest.raises(ValueError, match=message):
         lean_sglang.create_backend(_runner(**change))
+
+
+def test_sglang_refuses_compact_ragged_verify(monkeypatch):
+    """DSpark's compact ragged verification gives each request its own draft count in one verify
+    batch: refused at start-up; its static and cap-accept modes keep one count per batch."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    runner = _runner(spec_algorithm=SpeculativeAlgorithm.DSPARK)
+    for mode in ("static", "cap-accept"):
+        monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
+        assert lean_backend.runner_problem(runner) is None
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
+    with pytest.raises(ValueError, match="SGLANG_RAGGED_VERIFY_MODE: expected static or cap-accept"):
+        lean_sglang.create_backend(runner)
+    assert lean_backend.runner_problem(_runner(spec_algorithm=SpeculativeAlgorithm.EAGLE)) is None
 
 
 @pytest.mark.parametrize(

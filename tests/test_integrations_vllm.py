@@ -266,15 +266,20 @@ def test_speculative_decoding_verification_runs_on_lean(vllm_config, lean_calls,
     assert lean_calls == [(4, tq, 8, 64)]
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("spec_tokens", [0, 3])
-def test_padded_uniform_batch(vllm_config, lean_calls, spec_tokens):
+def test_padded_uniform_batch(vllm_config, lean_calls, monkeypatch, spec_tokens, invariant):
     """A CUDA-graph-padded decode batch: padding requests have no query tokens and no keys, and sit
-    on padding tokens (slot -1, never written); lean takes the whole (B, Tq) view in one call."""
+    on padding tokens (slot -1, never written); lean takes the whole (B, Tq) view in one call, in
+    the batch-invariant mode too (the captured graph's path: no per-length groups)."""
+    if invariant:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     tq = spec_tokens + 1
     requests = [(20, tq), (7, tq), (0, 0), (0, 0)]
     output, ref, metadata = _run(vllm_config, requests, spec_tokens=spec_tokens, pad_tokens=2 * tq, seed=5)
     check(output[: 2 * tq], ref, torch.float32)
-    assert metadata.prefill is None and lean_calls == [(4, tq, 8, 64) if tq > 1 else (4, 8, 64)]
+    assert metadata.prefill is None and metadata.groups == []
+    assert lean_calls == [(4, tq, 8, 64) if tq > 1 else (4, 8, 64)]
 
 
 def test_only_prefills_and_empty_batches(vllm_config, lean_calls):
@@ -461,27 +466,36 @@ def test_unused_block_table_columns_hold_any_padding(vllm_config, monkeypatch, p
     check(forward(case), case.ref, torch.float32)
 
 
-def _decode_sub_batch(vllm_config, case, rows, spec):
-    """Metadata of the decode requests ``rows`` (one query token each) of a decode-only case, in
-    that order, over the same cache: the same requests in another batch."""
+def _sub_batch(vllm_config, case, parts, spec):
+    """Metadata of a batch of ``parts`` over a case's cache, each (request, first token row, query
+    tokens, keys), in that order: the same requests, or a request's first tokens, in another batch.
+    Returns (metadata, the parts' token rows in the case's query)."""
     c = case.common
-    n = len(rows)
-    starts = torch.arange(n + 1, dtype=torch.int32)
-    seq_lens = c.seq_lens[rows]
+    lens = [n for _, _, n, _ in parts]
+    starts = torch.tensor([0, *lens]).cumsum(0).int()
+    seq_lens = torch.tensor([keys for *_, keys in parts], dtype=torch.int32)
+    rows = [first + i for _, first, n, _ in parts for i in range(n)]
     common = CommonAttentionMetadata(
         query_start_loc=starts,
         query_start_loc_cpu=starts.clone(),
         seq_lens=seq_lens,
-        num_reqs=n,
-        num_actual_tokens=n,
-        max_query_len=1,
+        num_reqs=len(parts),
+        num_actual_tokens=len(rows),
+        max_query_len=max(lens),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=c.block_table_tensor[rows],
+        block_table_tensor=c.block_table_tensor[[r for r, *_ in parts]],
         slot_mapping=c.slot_mapping[rows],
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
     builder = LeanAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
-    return builder.build(0, common)
+    return builder.build(0, common), rows
+
+
+def _forward_rows(case, metadata, rows):
+    """The layer's forward on the case's query ``rows`` alone, into a NaN-filled output."""
+    output = torch.full((len(rows), *case.query.shape[1:]), float("nan"), dtype=case.query.dtype)
+    case.impl.forward(case.layer, case.query[rows], case.k_new[rows], case.v_new[rows], case.kv_cache, metadata, output)
+    return output
 
 
 @pytest.mark.parametrize("op_backend", ["auto", "triton"])
@@ -501,12 +515,65 @@ def test_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch(
     assert case.impl.batch_invariant
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     rows_of = {}
+    keys = case.common.seq_lens.tolist()
     for rows in ([0], [4], [0, 1, 2, 3, 4], [3, 0, 4], [4, 2, 1, 0]):
-        meta = _decode_sub_batch(vllm_config, case, rows, spec)
-        output = torch.full((len(rows), *case.query.shape[1:]), float("nan"), dtype=case.query.dtype)
-        case.impl.forward(case.layer, case.query[rows], case.k_new[rows], case.v_new[rows], case.kv_cache, meta, output)
+        meta, _ = _sub_batch(vllm_config, case, [(r, r, 1, keys[r]) for r in rows], spec)
+        output = _forward_rows(case, meta, rows)
         check(output, case.ref[rows], torch.float16)
         for j, r in enumerate(rows):
             want = rows_of.setdefault(r, output[j])
             assert torch.equal(output[j].view(torch.int16), want.view(torch.int16)), f"request {r} in batch {rows}"
     assert len(lean_calls) == 5
+
+
+# Decodes of 1, 3, 1 and 2 query tokens (speculative decoding with per-request draft lengths), a
+# prefill, then a 2-token request behind it (vLLM puts fresh prompts last, whatever their length).
+MIXED_LENGTHS = [(40, 1), (17, 3), (5, 1), (30, 2), (9, 12), (3, 2)]
+
+
+@pytest.mark.parametrize("op_backend", ["auto", "triton"])
+def test_batch_invariant_mode_runs_every_decode_length_on_lean(vllm_config, lean_calls, monkeypatch, op_backend):
+    """VLLM_BATCH_INVARIANT=1, a step whose requests of 1 to 4 (the threshold) query tokens have
+    several lengths: every one of them runs on lean, one call per length, and only the prefill's
+    tokens (and those behind it, which lean then overwrites) reach the delegate. Each request's rows
+    are bitwise those of the request alone; on the kernel, each verified token's rows are bitwise
+    those of decoding it alone (Tq = 1, its keys up to its own position)."""
+    if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
+    delegated = []
+    real_prefill = lean_backend.cpu.prefill_attention
+    monkeypatch.setattr(
+        lean_backend.cpu,
+        "prefill_attention",
+        lambda q, *args, **kwargs: delegated.append(q.shape[0]) or real_prefill(q, *args, **kwargs),
+    )
+    options = dict(heads=(4, 2), head_size=32, dtype=torch.float16, window=30, use_sinks=True)
+    case = make_case(vllm_config, MIXED_LENGTHS, spec_tokens=3, seed=12, **options)
+    output = forward(case)
+    check(output, case.ref, torch.float16)
+    assert delegated == [14] and [g.query_len for g in case.metadata.groups] == [1, 2, 3]
+    assert case.metadata.num_decodes == 0 and lean_calls == [(2, 4, 32), (2, 2, 4, 32), (1, 3, 4, 32)]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)
+    starts = case.common.query_start_loc_cpu.tolist()
+    for r, (context, n) in enumerate(MIXED_LENGTHS):
+        if n > 4:
+            continue
+        if op_backend == "auto":  # the request alone, at its own query length
+            parts = [[(r, starts[r], n, context + n)]]
+        else:  # each of its tokens decoded alone
+            parts = [[(r, starts[r] + i, 1, context + i + 1)] for i in range(n)]
+        for part in parts:
+            meta, rows = _sub_batch(vllm_config, case, part, spec)
+            alone = _forward_rows(case, meta, rows)
+            assert torch.equal(alone.view(torch.int16), output[rows].view(torch.int16)), f"request {r}, {part}"
+
+
+def test_default_mode_keeps_the_leading_query_length_on_lean(vllm_config, lean_calls):
+    """Without VLLM_BATCH_INVARIANT the same step runs the leading length on lean and the rest of
+    the batch on the delegate, in one call each."""
+    case = make_case(vllm_config, MIXED_LENGTHS, spec_tokens=3, heads=(4, 2), head_size=32, seed=12)
+    check(forward(case), case.ref, torch.float32)
+    assert (case.metadata.num_decodes, case.metadata.groups, case.metadata.prefill_start) == (1, [], 1)
+    assert lean_calls == [(1, 4, 32)]

@@ -5,6 +5,7 @@ reference of the op (V the first 512 columns of each latent row). Needs vLLM (CI
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,12 +13,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+)
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 import lean_tp.integrations.vllm as lean_vllm  # noqa: E402
 from lean_tp.integrations.vllm import mla as lean_mla  # noqa: E402
-from lean_tp.integrations.vllm.mla import LeanCPUMLAImpl, LeanMLABackend  # noqa: E402
+from lean_tp.integrations.vllm.mla import LeanCPUMLAImpl, LeanMLABackend, LeanMLAMetadataBuilder  # noqa: E402
 from lean_tp.ops.decode_attention import decode_attention_ref  # noqa: E402
 
 RANK, ROPE, HEADS, BLOCK = 512, 64, 16, 16
@@ -125,3 +130,87 @@ def test_registration_in_place_of_cpu_mla(monkeypatch):
     assert AttentionBackendEnum["CPU_MLA"].get_class() is not LeanMLABackend
     with pytest.raises(ValueError, match="logits_soft_cap: expected None for the LEAN_MLA backend"):
         lean_mla._check_layer(None, None, 30.0, AttentionType.DECODER)
+
+
+def _builder(monkeypatch, threshold: int) -> LeanMLAMetadataBuilder:
+    """LEAN_MLA's metadata builder, with vLLM's MLA builder set-up (which needs a model's MLA
+    layers) replaced by the attributes ``build`` reads for decodes and fresh prefills on CPU."""
+
+    def setup(self, *args, **kwargs):
+        self.__dict__.update(
+            reorder_batch_threshold=threshold, use_pcp=False, device=torch.device("cpu"), page_size=BLOCK,
+            metadata_cls=MLACommonMetadata, model_config=SimpleNamespace(dtype=torch.bfloat16, get_head_size=lambda: 576),
+            q_data_type=torch.bfloat16, dcp_world_size=1, dcp_local_block_size=1, dcp_virtual_block_size=1,
+            dcp_manager=None, chunked_prefill_workspace=None, chunked_prefill_workspace_size=4096,
+            _prefill_backend=SimpleNamespace(prepare_metadata=lambda metadata: None),
+        )  # fmt: skip
+
+    monkeypatch.setattr(MLACommonMetadataBuilder, "__init__", setup)
+    return LeanMLAMetadataBuilder(None, ["layer.0"], None, torch.device("cpu"))
+
+
+# Decodes of 1, 3, 1 and 2 query tokens (MTP with per-request draft lengths), then a prefill.
+MIXED_LENGTHS = [(40, 1), (17, 3), (5, 1), (30, 2), (0, 12)]
+
+
+def _mixed_step(monkeypatch):
+    """The builder's metadata of MIXED_LENGTHS (threshold 4: 3 drafts) over a shuffled paged latent
+    cache, and q (decode tokens, H, 576), the cache and the table."""
+    seq_lens = [c + n for c, n in MIXED_LENGTHS]
+    _, cache, decode = _decode_batch(seq_lens, 1, torch.bfloat16, seed=13)
+    starts = torch.tensor([0] + [n for _, n in MIXED_LENGTHS]).cumsum(0).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=lens, num_reqs=len(seq_lens),
+        num_actual_tokens=int(starts[-1]), max_query_len=12, max_seq_len=max(seq_lens),
+        block_table_tensor=decode.block_table, slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.long),
+        seq_lens_cpu_upper_bound=lens.clone(),
+    )  # fmt: skip
+    metadata = _builder(monkeypatch, 4).build(0, common)
+    q = torch.randn(int(starts[4]), HEADS, RANK + ROPE, generator=torch.Generator().manual_seed(14)).bfloat16()
+    return metadata, q, cache, decode.block_table
+
+
+@pytest.mark.parametrize("op_backend", ["auto", "triton"])
+def test_batch_invariant_mode_runs_every_decode_length_on_lean(monkeypatch, op_backend):
+    """VLLM_BATCH_INVARIANT=1, a step with decodes of 1, 3, 1 and 2 query tokens and a prefill:
+    vLLM's split keeps all four as decodes (the prefill goes to vLLM's MLA prefill path), and
+    forward_mqa runs them on lean, one call per length, against float64. On the kernel each
+    verified token's out and lse are bitwise those of decoding it alone (Tq = 1)."""
+    if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
+    calls = []
+    real = lean_mla.decode_attention
+    monkeypatch.setattr(
+        lean_mla, "decode_attention", lambda q, *a, **k: calls.append(tuple(q.shape)) or real(q, *a, **k)
+    )
+    metadata, q, cache, table = _mixed_step(monkeypatch)
+    assert (metadata.num_decodes, metadata.num_decode_tokens, metadata.num_prefills) == (4, 7, 1)
+    impl, layer = _impl(), _layer(torch.ones(1))
+    out, lse = impl.forward_mqa(q, cache, metadata, layer)
+    assert calls == [(2, HEADS, RANK + ROPE), (1, 2, HEADS, RANK + ROPE), (1, 3, HEADS, RANK + ROPE)]
+    # Token i of a request with context c attends causally: keys up to c + i, as a decode would.
+    tokens = [(r, c + i + 1) for r, (c, n) in enumerate(MIXED_LENGTHS[:4]) for i in range(n)]
+    alone = [
+        SimpleNamespace(block_table=table[r : r + 1], seq_lens=torch.tensor([k], dtype=torch.int32)) for r, k in tokens
+    ]
+    rows = SimpleNamespace(
+        block_table=torch.cat([a.block_table for a in alone]), seq_lens=torch.cat([a.seq_lens for a in alone])
+    )
+    ref_out, ref_lse = _reference(q, cache, rows, 1)
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL[torch.bfloat16], rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    if op_backend == "triton":
+        for t, decode in enumerate(alone):
+            one_out, one_lse = impl.forward_mqa(q[t : t + 1], cache, SimpleNamespace(decode=decode), layer)
+            assert torch.equal(one_out[0], out[t]) and torch.equal(one_lse[0], lse[t]), f"token {t}"
+
+
+def test_default_mode_keeps_the_leading_query_length_as_decodes(monkeypatch):
+    """Without VLLM_BATCH_INVARIANT vLLM's split keeps the decode region uniform: the leading
+    1-token request is the only decode, and the rest go to vLLM's MLA prefill path."""
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    metadata, *_ = _mixed_step(monkeypatch)
+    assert (metadata.num_decodes, metadata.num_decode_tokens, metadata.decode.groups) == (1, 1, [])

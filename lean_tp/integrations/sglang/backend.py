@@ -22,6 +22,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.runtime_context import get_exec
+from sglang.srt.speculative.ragged_verify import RaggedVerifyMode, read_ragged_verify_mode
 
 from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.sglang import NAME
@@ -58,6 +59,14 @@ def cache_page_size(page_size: int) -> int:
 
 def runner_problem(model_runner) -> str | None:
     """Why the backend cannot serve a model runner, naming the setting; None if it can."""
+    spec = getattr(model_runner, "spec_algorithm", None)
+    # Compact ragged verification (DSpark) packs each request's own number of drafts into one
+    # verify batch; lean's verify call takes one number per batch (SGLang's draft_token_num).
+    if spec is not None and spec.supports_ragged_verify() and read_ragged_verify_mode() is RaggedVerifyMode.COMPACT:
+        return (
+            f"SGLANG_RAGGED_VERIFY_MODE: expected static or cap-accept for the {NAME} backend (one draft "
+            "count per verify batch), got 'compact'"
+        )
     pool = model_runner.token_to_kv_pool
     if model_runner.use_mla_backend:
         if type(pool) is not MLATokenToKVPool or pool.use_dsa:

@@ -6,13 +6,16 @@ The cache is vLLM's Triton-attention cache, one tensor per layer of logical shap
 The builder reorders each batch so that decode requests come first (vLLM's reorder threshold) and
 splits it: the leading requests that share one query length of at most ``MAX_QUERY_TOKENS`` run on
 lean in one call; the rest (prefills, chunked prefills, odd-length requests) run on the delegate,
-vLLM's own Triton attention, with its metadata built for just those requests. Where vLLM runs no
-Triton (CPU) the delegate and the cache writes are ``cpu.py``'s plain-torch paths.
+vLLM's own Triton attention, with its metadata built for just those requests. Under
+``VLLM_BATCH_INVARIANT=1`` every request of 1 to the reorder threshold's query tokens runs on lean
+whatever its batch-mates' lengths: a batch that mixes lengths runs one lean call per length, and
+the delegate takes only the requests from the first longer one on. Where vLLM runs no Triton (CPU)
+the delegate and the cache writes are ``cpu.py``'s plain-torch paths.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -138,20 +141,69 @@ class CpuPrefill:
 
 
 @dataclass
+class LeanGroup:
+    """Requests of one query length that run on lean in one call, wherever they sit in the batch."""
+
+    query_len: int  # 1..MAX_QUERY_TOKENS
+    tokens: torch.Tensor  # (n * query_len,) int64, the requests' token rows, request after request
+    seq_lens: torch.Tensor  # (n,) int32, keys per request including its new tokens
+    block_table: torch.Tensor  # (n, max_pages) int32
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to ``device`` without waiting for the device's queued work."""
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def lean_groups(
+    query_start_loc_cpu: torch.Tensor,
+    requests: range,
+    max_query_len: int,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> list[LeanGroup]:
+    """The requests in ``requests`` with 1 to ``max_query_len`` query tokens, one group per query
+    length (ascending), found on the host; their indices reach the device in one copy.
+
+    query_start_loc_cpu: host token offsets, one per request and one past the last; seq_lens (R,)
+    and block_table (R, max_pages) on the device, indexed by request."""
+    starts = query_start_loc_cpu[: requests.stop + 1].long()
+    lens = starts[requests.start + 1 :] - starts[requests.start : -1]
+    lengths = [n for n in torch.unique(lens).tolist() if 1 <= n <= max_query_len]
+    if not lengths:
+        return []
+    host = []  # per length: its requests, then their token rows
+    for n in lengths:
+        reqs = requests.start + torch.nonzero(lens == n).flatten()
+        host += [reqs, (starts[reqs, None] + torch.arange(n)).flatten()]
+    index = _to_device(torch.cat(host), seq_lens.device).split([t.numel() for t in host])
+    return [
+        LeanGroup(n, index[2 * i + 1], seq_lens[index[2 * i]], block_table[index[2 * i]]) for i, n in enumerate(lengths)
+    ]
+
+
+@dataclass
 class LeanAttentionMetadata:
     num_actual_tokens: int
-    num_decodes: int  # leading requests that run on lean
+    num_decodes: int  # leading requests that run on lean, q viewed as (num_decodes, Tq, Hq, D)
     decode_query_len: int  # their common query length, 1..MAX_QUERY_TOKENS
     seq_lens: torch.Tensor  # (num_decodes,) int32, keys per request including its new tokens
     block_table: torch.Tensor  # (num_decodes, max_pages) int32
     slot_mapping: torch.Tensor  # (num_actual_tokens,) int64
-    # The delegate's metadata for the other requests (their tokens follow the decodes'), or None.
+    # The delegate's metadata for the requests whose tokens run from prefill_start on, or None.
     prefill: object | None = None
+    prefill_start: int = 0
+    # Batch-invariant mode, a batch of several query lengths: the requests that run on lean, one
+    # call per length (num_decodes is then 0). A request the delegate also took is overwritten.
+    groups: list[LeanGroup] = field(default_factory=list)
 
 
 class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadata]):
-    # A CUDA graph is captured for batches of decodes of one query length, which run on lean alone;
-    # a mixed batch's split is decided on the host, so it is never replayed from a graph.
+    # A CUDA graph is captured for batches of decodes of one query length, which run on lean alone
+    # as the leading run; a mixed batch's split (and its lean groups) is decided on the host, so it
+    # is never replayed from a graph.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
@@ -159,6 +211,7 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
         # Decodes first; with speculative decoding a verification request (1 + k tokens) is a decode.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self.reorder_batch_threshold = min(self.reorder_batch_threshold, MAX_QUERY_TOKENS)
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         self.delegate = None
         if _triton_delegate():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
@@ -179,11 +232,34 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
             return 0, 1
         return num_decodes, query_len
 
+    def _invariant_split(self, common: CommonAttentionMetadata, num_decodes: int) -> tuple[list[LeanGroup], int]:
+        """Batch-invariant mode: (the lean groups, the first request the delegate takes). A request's
+        path may depend only on its own query length, so when requests of 1 to the threshold's
+        tokens follow the leading run (another length, or behind a prefill), every such request
+        runs in its length's group; the delegate takes the requests from the first longer one on."""
+        starts = common.query_start_loc_cpu[: common.num_reqs + 1]
+        lens = starts[1:] - starts[:-1]
+        threshold = self.reorder_batch_threshold
+        rest = lens[num_decodes:]
+        if not bool(((rest >= 1) & (rest <= threshold)).any()):
+            return [], num_decodes
+        longer = torch.nonzero(lens > threshold)
+        groups = lean_groups(starts, range(common.num_reqs), threshold, common.seq_lens, common.block_table_tensor)
+        block_size = self.kv_cache_spec.block_size
+        groups = [replace(g, block_table=_pages_in_use(g.block_table, g.seq_lens, block_size)) for g in groups]
+        return groups, int(longer[0]) if len(longer) else common.num_reqs
+
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> LeanAttentionMetadata:
         common = common_attn_metadata
         num_decodes, query_len = self._decode_split(common)
+        groups, first_delegated = [], num_decodes
+        if self.batch_invariant:
+            groups, first_delegated = self._invariant_split(common, num_decodes)
+            if groups:
+                num_decodes = 0
+        prefill_start = int(common.query_start_loc_cpu[first_delegated])
         metadata = LeanAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_decodes=num_decodes,
@@ -193,10 +269,11 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
                 common.block_table_tensor[:num_decodes], common.seq_lens[:num_decodes], self.kv_cache_spec.block_size
             ),
             slot_mapping=common.slot_mapping,
+            prefill_start=prefill_start,
+            groups=groups,
         )
-        num_decode_tokens = num_decodes * query_len
-        if num_decodes < common.num_reqs and num_decode_tokens < common.num_actual_tokens:
-            rest = UBatchSlice(slice(num_decodes, common.num_reqs), slice(num_decode_tokens, common.num_actual_tokens))
+        if first_delegated < common.num_reqs and prefill_start < common.num_actual_tokens:
+            rest = UBatchSlice(slice(first_delegated, common.num_reqs), slice(prefill_start, common.num_actual_tokens))
             rest_metadata = split_attn_metadata([rest], common)[0]
             if self.delegate is not None:
                 metadata.prefill = self.delegate.build(0, rest_metadata, fast_build)
@@ -335,43 +412,51 @@ class LeanAttentionImpl(AttentionImpl[LeanAttentionMetadata]):
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
         meta = attn_metadata
-        key_cache, value_cache = self._kv_views(kv_cache)
+        caches = self._kv_views(kv_cache)
         features = self._features(layer)
-        split, end = meta.num_decodes * meta.decode_query_len, meta.num_actual_tokens
         if meta.num_decodes:
-            q = query[:split]
-            if meta.decode_query_len > 1:
-                q = q.view(meta.num_decodes, meta.decode_query_len, *q.shape[1:])
-            out = decode_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.seq_lens,
-                block_table=meta.block_table,
-                backend=self.op_backend,
-                batch_invariant=self.batch_invariant,
-                **features,
-            )
-            output[:split].copy_(out.view(split, *out.shape[-2:]))
-        if meta.prefill is None:
-            return output
-        if self.delegate is not None:
-            self.delegate.forward(
-                layer, query[split:end], key[split:end], value[split:end], kv_cache, meta.prefill, output[split:end]
-            )
-        else:
-            p = meta.prefill
-            cpu.prefill_attention(
-                query[split:end],
-                key_cache,
-                value_cache,
-                output[split:end],
-                p.query_start_loc,
-                p.seq_lens,
-                p.block_table,
-                **features,
-            )
+            split = meta.num_decodes * meta.decode_query_len
+            out = self._decode(query[:split], meta.decode_query_len, meta.seq_lens, meta.block_table, caches, features)
+            output[:split].copy_(out)
+        if meta.prefill is not None:
+            start, end = meta.prefill_start, meta.num_actual_tokens
+            if self.delegate is not None:
+                self.delegate.forward(
+                    layer, query[start:end], key[start:end], value[start:end], kv_cache, meta.prefill, output[start:end]
+                )
+            else:
+                p = meta.prefill
+                cpu.prefill_attention(
+                    query[start:end],
+                    *caches,
+                    output[start:end],
+                    p.query_start_loc,
+                    p.seq_lens,
+                    p.block_table,
+                    **features,
+                )
+        # After the delegate: a group's request that it took too (behind a longer one) gets lean's rows.
+        for g in meta.groups:
+            out = self._decode(query[g.tokens], g.query_len, g.seq_lens, g.block_table, caches, features)
+            output.index_copy_(0, g.tokens, out.to(output.dtype))
         return output
+
+    def _decode(self, q, query_len: int, seq_lens, block_table, caches, features: dict) -> torch.Tensor:
+        """Lean on q (B * query_len, Hq, D), each request's tokens together, over ``caches`` (K and V
+        as ``_kv_views`` gives them); returns (B * query_len, Hq, D) in q's dtype."""
+        tokens = q.shape[0]
+        if query_len > 1:
+            q = q.view(tokens // query_len, query_len, *q.shape[1:])
+        out = decode_attention(
+            q,
+            *caches,
+            seq_lens,
+            block_table=block_table,
+            backend=self.op_backend,
+            batch_invariant=self.batch_invariant,
+            **features,
+        )
+        return out.view(tokens, *out.shape[-2:])
 
 
 def _check_layer(head_size: int, alibi_slopes, kv_cache_dtype: str, attn_type: str, unsupported: dict) -> None:

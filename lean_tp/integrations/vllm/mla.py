@@ -5,19 +5,24 @@ vLLM's MLA layer runs prefill non-absorbed through the impl's prefill path and d
 through ``forward_mqa``: q (rows, H, kv_lora_rank + rope) over the latent cache (num_blocks,
 block_size, kv_lora_rank + rope). ``LEAN_MLA`` keeps vLLM's prefill, metadata and cache writes
 and runs ``forward_mqa`` on lean, the cache passed as K and its first ``kv_lora_rank`` columns as
-V (a view: the kernel reads each latent row once for both products). The impl is vLLM's Triton
-MLA's on GPUs (its prefill path) and its CPU MLA's on CPU, where vLLM always picks ``CPU_MLA``,
-so ``LEAN_MLA`` runs in its place (``lean_tp.integrations.vllm.in_place_of("CPU_MLA")``).
+V (a view: the kernel reads each latent row once for both products). Decode requests share one
+query length (vLLM's uniform split), except under ``VLLM_BATCH_INVARIANT=1``, where every leading
+request of up to the reorder threshold's tokens is a decode and each length runs as one lean call.
+The impl is vLLM's Triton MLA's on GPUs (its prefill path) and its CPU MLA's on CPU, where vLLM
+always picks ``CPU_MLA``, so ``LEAN_MLA`` runs in its place
+(``lean_tp.integrations.vllm.in_place_of("CPU_MLA")``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from vllm import envs
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
+    MLACommonDecodeMetadata,
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
@@ -28,7 +33,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
-from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, op_backend
+from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, LeanGroup, lean_groups, op_backend
 from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
 
@@ -41,9 +46,10 @@ def lean_forward_mqa(
     impl, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, metadata, layer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed decode of ``metadata.decode``'s requests on lean: q (rows, H, rank + rope), rows =
-    requests x a uniform query length; kv_cache (num_blocks, block_size, rank + rope), fp8 viewed
-    as such by vLLM, with ``layer._k_scale`` for the latent rows. Returns out (rows, H, rank) in q's
-    dtype and lse (rows, H) float32, natural log.
+    requests x a uniform query length, or any lengths with ``decode.groups`` (one lean call per
+    length); kv_cache (num_blocks, block_size, rank + rope), fp8 viewed as such by vLLM, with
+    ``layer._k_scale`` for the latent rows. Returns out (rows, H, rank) in q's dtype and lse
+    (rows, H) float32, natural log.
 
     A causal block of up to ``MAX_QUERY_TOKENS`` drafts per request runs as one query of Tq tokens
     (the drafts share each K/V tile); longer or non-causal blocks run one row per query token, each
@@ -52,12 +58,27 @@ def lean_forward_mqa(
     if isinstance(q, tuple):
         q = torch.cat(q, dim=-1)
     decode = metadata.decode
-    seq_lens, block_table = decode.seq_lens.to(torch.int32), decode.block_table.to(torch.int32)
+    causal = getattr(metadata, "causal", True)
+    groups = getattr(decode, "groups", None)
+    if not groups:
+        return _mqa(impl, q, kv_cache, decode.seq_lens, decode.block_table, causal, layer)
+    rows, heads = q.shape[:2]
+    out = q.new_zeros(rows, heads, impl.kv_lora_rank)
+    lse = torch.zeros(rows, heads, dtype=torch.float32, device=q.device)
+    for g in groups:
+        group_out, group_lse = _mqa(impl, q[g.tokens], kv_cache, g.seq_lens, g.block_table, causal, layer)
+        out.index_copy_(0, g.tokens, group_out)
+        lse.index_copy_(0, g.tokens, group_lse)
+    return out, lse
+
+
+def _mqa(impl, q, kv_cache, seq_lens, block_table, causal: bool, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """One lean call: q (rows, H, rank + rope), rows = requests x one query length."""
+    seq_lens, block_table = seq_lens.to(torch.int32), block_table.to(torch.int32)
     requests, (rows, heads, _) = seq_lens.shape[0], q.shape
     tq = rows // requests if requests else 1
     kv = kv_cache.unsqueeze(2)  # one latent "head"
     scale = layer._k_scale if kv.dtype in FP8_CACHE_DTYPES.values() else None
-    causal = getattr(metadata, "causal", True)
     if tq > 1 and not (causal and tq <= MAX_QUERY_TOKENS):
         block_table = block_table.repeat_interleave(tq, dim=0)
         offsets = torch.arange(1 - tq, 1, device=seq_lens.device, dtype=seq_lens.dtype) if causal else 0
@@ -130,12 +151,48 @@ def _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type) -> No
         raise ValueError(f"attn_type: expected decoder self-attention for the {NAME_MLA} backend, got {attn_type!r}")
 
 
+@dataclass
+class LeanMLADecodeMetadata(MLACommonDecodeMetadata):
+    # Decodes of several query lengths (batch-invariant mode): the requests of each length, which
+    # forward_mqa runs as one lean call each.
+    groups: list[LeanGroup] = field(default_factory=list)
+
+
 class LeanMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     # Uniform multi-token decode blocks (MTP/EAGLE verification) go to forward_mqa, as one query
     # of Tq tokens or one row per token; CUDA graphs capture uniform decode batches.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     supports_non_causal_multi_token_decode: ClassVar[bool] = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        # Batch-invariant mode: a request's path may depend only on its own query length, so every
+        # leading request of 1 to the reorder threshold's tokens is a decode (VARLEN), not only
+        # those of the first one's length; the decode metadata then groups them by length.
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        if self.batch_invariant:
+            self.query_len_support = QueryLenSupport.VARLEN
+        super().__init__(*args, **kwargs)
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        max_query_len: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> LeanMLADecodeMetadata:
+        groups = []
+        lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        longest = int(lens.max()) if lens.numel() else 0
+        # A (B, Tq) view of the decode rows needs one length, or padding requests on padded tokens.
+        uniform = bool(((lens == longest) | (lens == 0)).all()) and num_decode_tokens == lens.numel() * longest
+        if self.batch_invariant and not uniform:
+            groups = lean_groups(query_start_loc_cpu, range(lens.numel()), longest, seq_lens_device, block_table_tensor)
+        return LeanMLADecodeMetadata(block_table_tensor, seq_lens_device, dcp_tot_seq_lens_device, groups)
 
 
 class LeanMLABackend(MLACommonBackend):
