@@ -18,6 +18,8 @@ from lean_tp.tools.simulate import (
     cp_merge_us,
     cp_row,
     cp_sweep_cases,
+    deterministic_sweep_cases,
+    deterministic_table_rows,
     fa2_num_splits,
     fa2_splits,
     flashmla_schedule,
@@ -25,10 +27,14 @@ from lean_tp.tools.simulate import (
     main,
     mla_sweep_problems,
     rank_heads,
+    sglang_flashinfer_schedule,
+    sglang_triton_schedule,
+    sglang_triton_splits,
     table_rows,
     table_rows_parallel,
     triton_mla_schedule,
     triton_mla_splits,
+    vllm_invariant_schedule,
 )
 from lean_tp.tools.simulate import simulate as _simulate
 
@@ -91,6 +97,7 @@ def test_lean_beats_fixed_split_on_a_ragged_gqa_batch():
     assert result["lean"].time_us < min(result["fa2"].time_us, result["flex"].time_us)
 
 
+@pytest.mark.xdist_group("tp8_rank_64k")  # shares its simulation with the deterministic rows' test
 def test_tensor_parallel_rank_keeps_the_merge_chain_bounded():
     """Llama-3-70B on 8 ranks, B=1, 64k: one KV head per rank, the output split over the cost
     rule's programs, merged in two levels of <= MERGE_FANIN partials."""
@@ -320,3 +327,109 @@ def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
     assert main(["--mla-sweep", "--gpu", "H100", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "| H100 | 1 (128) | fp8 | 128 | 131072 |" in out and png.stat().st_size > 10_000
+
+
+def test_vllm_invariant_reads_each_sequence_once_with_no_combine():
+    """vLLM's batch-invariant decode: one CTA per (sequence, KV head) over the whole sequence."""
+    problem = Problem((3000, 0, 70000), 32, 8)
+    sched = vllm_invariant_schedule(problem, H100)
+    assert sched.units == 2 * 8 and sched.splits == 1 and sched.merge_us == 0.0
+    assert sorted({tokens for _, _, tokens, _ in sched.bars}) == [3000, 70000]
+    assert sum(sched.sm_work) == 8 * sum(problem.lens)
+
+
+def test_sglang_triton_splits_are_fixed_tiles_per_request_and_stage_2_always_runs():
+    """ceil(len / 256) splits per request, each ceil(len / splits) rounded up to 32 tokens; a CTA per
+    (request, head tile, split), a head tile being up to 16 query heads of one KV head."""
+    assert [sglang_triton_splits(n) for n in (0, 1, 256, 257, 1000, 1 << 20)] == [
+        (0, 0), (1, 32), (1, 256), (2, 160), (4, 256), (4096, 256)
+    ]  # fmt: skip
+    sched = sglang_triton_schedule(Problem((257, 1000, 5), 8, 1), H100)
+    assert sched.units == 2 + 4 + 1 and sched.splits == 4
+    assert sorted(t for _, _, t, _ in sched.bars) == [5, 97, 160, 232, 256, 256, 256]
+    one_split = sglang_triton_schedule(Problem((100, 200), 8, 1), H100)
+    assert one_split.splits == 1 and one_split.merge_us >= H100.launch_gap_us  # the reduce runs anyway
+    wide = sglang_triton_schedule(Problem((512,), 64, 2), H100)  # 32 heads a KV head: 2 tiles each
+    assert wide.units == 2 * 2 * 2 and sum(wide.sm_work) == 2 * 2 * 512
+
+
+def test_sglang_flashinfer_splits_every_2048_tokens_and_merges_only_when_split():
+    fits = sglang_flashinfer_schedule(Problem((2048,) * 3, 8, 1), H100)
+    assert fits.units == 3 and fits.splits == 1 and fits.merge_us == 0.0
+    split = sglang_flashinfer_schedule(Problem((2049, 100), 8, 1), H100)
+    assert split.splits == 2 and sorted(t for _, _, t, _ in split.bars) == [1, 100, 2048]
+    assert split.merge_us >= H100.launch_gap_us
+
+
+def test_long_folds_cost_their_chain_of_loads():
+    """At 1M tokens SGLang's Triton reduce folds 4096 partials two at a time, one L2 round trip
+    each pair; FlashInfer's merge folds 512, 32 at a time; many short folds keep the plain combine."""
+    long = Problem((1 << 20,), 8, 1)
+    triton, flashinfer = sglang_triton_schedule(long, H100), sglang_flashinfer_schedule(long, H100)
+    assert triton.merge_us > H100.launch_gap_us + 4096 // 2 * H100.l2_latency_us
+    assert H100.launch_gap_us + 512 // 32 * H100.l2_latency_us < flashinfer.merge_us < triton.merge_us / 10
+    # 64 x 32 outputs of 2 chunks: the partials over every SM's port outweigh one 2-partial fold.
+    short = sglang_flashinfer_schedule(Problem((4096,) * 64, 32, 32), H100)
+    partials = 64 * 32 * 2 * 129 * 4
+    assert short.merge_us == pytest.approx(
+        H100.launch_gap_us + 2 * H100.l2_latency_us + partials / (H100.sms * H100.l2_port_gbps * 1e3)
+    )
+
+
+@pytest.mark.xdist_group("tp8_rank_64k")
+def test_deterministic_rows_table_and_sweep_wiring(tmp_path, capsys, monkeypatch):
+    """A TP-8 rank at B=1, 64k: the engines' modes beside lean's (its schedules from the session's
+    simulation of that problem), ratios over lean invariant; then the sweep's CLI wiring with that
+    row stubbed in for every case."""
+    import lean_tp.tools.simulate.cli as sim_cli
+    import lean_tp.tools.simulate.deterministic as det
+
+    problem, lean_calls = Problem((65536,), 8, 1), []
+
+    def lean(p, gpu, programs_per_sm=None, batch_invariant=False):
+        lean_calls.append((p, gpu.name, programs_per_sm, batch_invariant))
+        return simulate(p)["lean_invariant" if batch_invariant else "lean"]
+
+    monkeypatch.setattr(det, "lean_sim_schedule", lean)
+    (row,) = deterministic_table_rows(problem, ["H100"], programs_per_sm=1)
+    assert lean_calls == [(problem, "H100", 1, False), (problem, "H100", 1, True)]
+    assert row["lean_invariant_us"] == simulate(problem)["lean_invariant"].time_us
+    assert row["vllm_over_invariant"] == pytest.approx(row["vllm_us"] / row["lean_invariant_us"])
+    assert row["vllm_over_invariant"] > 10  # one CTA streams 64k tokens on one SM
+    assert row["sglang_flashinfer_splits"] == 32 and row["sglang_triton_splits"] == 256
+    calls = []
+
+    def stub(problems, gpus, *_, **kw):
+        calls.append(kw)
+        return [dict(row, gpu=g) for _ in problems for g in gpus]
+
+    monkeypatch.setattr(sim_cli, "table_rows_parallel", stub)
+    png, out_json = tmp_path / "det.png", tmp_path / "det.json"
+    assert main(["--deterministic-sweep", "--gpu", "H100", "--json", str(out_json), "--plot", str(png)]) == 0
+    assert calls == [{"rows_of": deterministic_table_rows}]
+    out = capsys.readouterr().out
+    table = out[out.index("| GPU | shapes |") :].splitlines()
+    assert len(table) == 2 + len(deterministic_sweep_cases()) and "| Triton / inv |" in table[0]
+    assert table[2].startswith("| H100 | TP-8 llama-3-70b / qwen2.5-72b | B=1 Hq=8 Hkv=1 D=128 len 65536 |")
+    assert "| SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE (tokens) | 256 |" in out  # the constants, with sources
+    n, ratio = len(deterministic_sweep_cases()), row["vllm_over_invariant"]
+    assert f"| H100 | vLLM batch-invariant | {ratio:.2f}-{ratio:.2f}x | {n} of {n} | 0 of {n} | 0 of {n} |" in out
+    data = json.loads(out_json.read_text())
+    assert data["engine_versions"]["sglang"] == "0.5.23" and len(data["engine_constants"]) >= 5
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--paper", "--deterministic-sweep"], "--deterministic-sweep"),
+        (["--deterministic-sweep", "--lens", "100"], "--lens"),
+        (["--deterministic-sweep", "--tp", "4"], "--tp"),
+        (["--deterministic-sweep", "--plot", "-"], "--plot"),
+    ],
+)
+def test_deterministic_sweep_rejects_flags_it_does_not_use(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and f"argument {flag}: expected" in err[0]

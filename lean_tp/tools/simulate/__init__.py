@@ -6,21 +6,33 @@ combine kernels, in modelled time on an A100 or an H100.
     python -m lean_tp.tools.simulate --tp-sweep --json sweep.json                         # every preset, B 1-64, 1k-1M
     python -m lean_tp.tools.simulate --cp-sweep --gpu H100                                # TP alone vs TP x CP
     python -m lean_tp.tools.simulate --mla-sweep                                          # DeepSeek-V3 MLA vs FlashMLA
+    python -m lean_tp.tools.simulate --deterministic-sweep                                # invariant vs vLLM/SGLang's
     python -m lean_tp.tools.simulate --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
 
     problems.py   what is modelled: one step's problem, presets, sweeps
     schedules.py  each method's schedule in modelled time (lean runs the kernel's own schedule code)
+    deterministic.py  vLLM's and SGLang's deterministic decode modes, each constant with its source
     tables.py     rows and tables; plots.py: charts; cli.py: the command line
     ../gpus.py    the GPU and link constants, each with its source
 """
 
 from lean_tp.tools.gpus import GPUS, LINKS, GPUModel
 from lean_tp.tools.simulate.cli import main
+from lean_tp.tools.simulate.deterministic import (
+    ENGINE_CONSTANTS,
+    ENGINE_VERSIONS,
+    deterministic_schedules,
+    sglang_flashinfer_schedule,
+    sglang_triton_schedule,
+    sglang_triton_splits,
+    vllm_invariant_schedule,
+)
 from lean_tp.tools.simulate.problems import (
     MODEL_PRESETS,
     Problem,
     cp_layouts,
     cp_sweep_cases,
+    deterministic_sweep_cases,
     mla_sweep_problems,
     rank_heads,
 )
@@ -34,9 +46,17 @@ from lean_tp.tools.simulate.schedules import (
     triton_mla_schedule,
     triton_mla_splits,
 )
-from lean_tp.tools.simulate.tables import cp_merge_us, cp_row, table_rows, table_rows_parallel
+from lean_tp.tools.simulate.tables import (
+    cp_merge_us,
+    cp_row,
+    deterministic_table_rows,
+    table_rows,
+    table_rows_parallel,
+)
 
 __all__ = [
+    "ENGINE_CONSTANTS",
+    "ENGINE_VERSIONS",
     "GPUS",
     "LINKS",
     "MODEL_PRESETS",
@@ -47,6 +67,9 @@ __all__ = [
     "cp_merge_us",
     "cp_row",
     "cp_sweep_cases",
+    "deterministic_schedules",
+    "deterministic_sweep_cases",
+    "deterministic_table_rows",
     "fa2_num_splits",
     "fa2_splits",
     "flashmla_schedule",
@@ -54,9 +77,13 @@ __all__ = [
     "main",
     "mla_sweep_problems",
     "rank_heads",
+    "sglang_flashinfer_schedule",
+    "sglang_triton_schedule",
+    "sglang_triton_splits",
     "simulate",
     "table_rows",
     "table_rows_parallel",
     "triton_mla_schedule",
     "triton_mla_splits",
+    "vllm_invariant_schedule",
 ]

@@ -17,7 +17,8 @@ from lean_tp import cli
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.utils import interpreted
 from lean_tp.tools.gpus import GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
-from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_gantt, plot_mla_sweep, plot_sweep
+from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_VERSIONS
+from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_deterministic_sweep, plot_gantt, plot_mla_sweep, plot_sweep
 from lean_tp.tools.simulate.problems import (
     MAX_BATCH,
     MAX_HEADS,
@@ -25,6 +26,7 @@ from lean_tp.tools.simulate.problems import (
     MODEL_PRESETS,
     Problem,
     cp_sweep_cases,
+    deterministic_sweep_cases,
     mla_sweep_problems,
     paper_problems,
     rank_heads,
@@ -33,7 +35,9 @@ from lean_tp.tools.simulate.problems import (
 from lean_tp.tools.simulate.schedules import simulate
 from lean_tp.tools.simulate.tables import (
     cp_row,
+    deterministic_table_rows,
     format_cp_table,
+    format_deterministic_report,
     format_mla_table,
     format_table,
     format_tp_table,
@@ -99,6 +103,11 @@ def _parser() -> cli.ArgumentParser:
         help="every preset on 8 and 16 GPUs, TP alone against TP x CP: KV memory and attention time per rank",
     )
     p.add_argument(
+        "--deterministic-sweep",
+        action="store_true",
+        help="lean's batch-invariant mode against vLLM's and SGLang's deterministic modes (TP-8 rank, paper)",
+    )
+    p.add_argument(
         "--json",
         metavar="PATH",
         type=cli.output_file,
@@ -113,6 +122,15 @@ def _parser() -> cli.ArgumentParser:
     return p
 
 
+# The flags that each run a sweep instead of one problem (at most one at a time).
+SWEEP_FLAGS = ("--paper", "--tp-sweep", "--mla-sweep", "--cp-sweep", "--deterministic-sweep")
+
+
+def _sweeps(args) -> list[str]:
+    """The sweep flags given (``_check_flags`` allows one)."""
+    return [flag for flag in SWEEP_FLAGS if getattr(args, flag[2:].replace("-", "_"))]
+
+
 # The flags that describe one problem, with their defaults.
 ONE_PROBLEM_DEFAULTS = {"batch": 4, "heads": 32, "kv_heads": 8, "lens": [16384], "capacity": 0, "head_dim": 128}
 
@@ -122,18 +140,9 @@ def _check_flags(p: cli.ArgumentParser, args) -> None:
     sweeps, --tp nothing to --paper or --cp-sweep), and --batch must agree with a list of lengths."""
     if args.plot == "-":
         p.fail("--plot", "a PNG file path", args.plot)
-    modes = [
-        flag
-        for flag, on in (
-            ("--paper", args.paper),
-            ("--tp-sweep", args.tp_sweep),
-            ("--mla-sweep", args.mla_sweep),
-            ("--cp-sweep", args.cp_sweep),
-        )
-        if on
-    ]
+    modes = _sweeps(args)
     if len(modes) > 1:
-        p.fail(modes[1], f"one of --paper, --tp-sweep, --mla-sweep, --cp-sweep (not with {modes[0]})", True)
+        p.fail(modes[1], f"one of {', '.join(SWEEP_FLAGS)} (not with {modes[0]})", True)
     sweep = modes[0] if modes else None
     if sweep:
         unused = [name for name in (*ONE_PROBLEM_DEFAULTS, "model") if getattr(args, name) is not None]
@@ -146,6 +155,42 @@ def _check_flags(p: cli.ArgumentParser, args) -> None:
         p.fail("--model", "no --heads, --kv-heads or --head-dim with --model (the preset sets them)", args.model)
     if args.batch is not None and args.lens is not None and len(args.lens) > 1 and len(args.lens) != args.batch:
         p.fail("--batch", f"the number of --lens ({len(args.lens)}) or no --batch with a list of lengths", args.batch)
+
+
+def _sweep_rows(args) -> list[dict]:
+    """The rows of the sweep ``args`` asks for (``--cp-sweep``, ``--tp-sweep``, ``--mla-sweep``,
+    ``--paper`` or ``--deterministic-sweep``), each with its cases' labels."""
+    if args.cp_sweep:
+        cases = cp_sweep_cases()
+        rows = table_rows_parallel([c[-1] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [cp_row(c, r, GPUS[r["gpu"]]) for c, r in zip((c for c in cases for _ in args.gpu), rows)]
+    elif args.tp_sweep:
+        cases = tp_sweep_problems(args.tp)
+        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [
+            {"model": c[0], "tp": args.tp, "batch": c[1], "context": c[2], **r}
+            for c, r in zip((c for c in cases for _ in args.gpu), rows)
+        ]
+    elif args.mla_sweep:
+        cases = mla_sweep_problems()
+        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
+        rows = [
+            {"tp": c[0], "heads": c[3].n_heads, "cache": "fp8" if c[3].elem_size == 1 else "bf16", "batch": c[1],
+             "context": c[2], **r}
+            for c, r in zip((c for c in cases for _ in args.gpu), rows)
+        ]  # fmt: skip
+    elif args.paper:
+        rows = table_rows_parallel(paper_problems(), args.gpu, args.programs_per_sm)
+    else:  # --deterministic-sweep
+        cases = deterministic_sweep_cases()
+        rows = table_rows_parallel(
+            [c[3] for c in cases], args.gpu, args.programs_per_sm, rows_of=deterministic_table_rows
+        )
+        rows = [
+            {"shapes": c[0], "batch": c[1], "context": c[2], **r}
+            for c, r in zip((c for c in cases for _ in args.gpu), rows)
+        ]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,27 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         p.error(f"argument {flag[name]}: {rest}" if name in flag else str(e))
     _ensure_schedule_backend(argv)
-    if args.cp_sweep:
-        cases = cp_sweep_cases()
-        rows = table_rows_parallel([c[-1] for c in cases], args.gpu, args.programs_per_sm)
-        rows = [cp_row(c, r, GPUS[r["gpu"]]) for c, r in zip((c for c in cases for _ in args.gpu), rows)]
-    elif args.tp_sweep:
-        cases = tp_sweep_problems(args.tp)
-        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
-        rows = [
-            {"model": c[0], "tp": args.tp, "batch": c[1], "context": c[2], **r}
-            for c, r in zip((c for c in cases for _ in args.gpu), rows)
-        ]
-    elif args.mla_sweep:
-        cases = mla_sweep_problems()
-        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
-        rows = [
-            {"tp": c[0], "heads": c[3].n_heads, "cache": "fp8" if c[3].elem_size == 1 else "bf16", "batch": c[1],
-             "context": c[2], **r}
-            for c, r in zip((c for c in cases for _ in args.gpu), rows)
-        ]  # fmt: skip
-    elif args.paper:
-        rows = table_rows_parallel(paper_problems(), args.gpu, args.programs_per_sm)
+    if _sweeps(args):
+        rows = _sweep_rows(args)
     else:
         print(
             f"simulating on {', '.join(args.gpu)} (the schedule kernel runs in the Triton interpreter on CPU: "
@@ -211,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                 "model": {g: dataclasses.asdict(GPUS[g]) for g in args.gpu},
                 "sources": MODEL_SOURCES,
                 **({"links": LINKS, "link_sources": LINK_SOURCES} if args.cp_sweep else {}),
+                **(
+                    {"engine_versions": ENGINE_VERSIONS, "engine_constants": ENGINE_CONSTANTS}
+                    if args.deterministic_sweep
+                    else {}
+                ),
                 "rows": rows,
             },
             indent=1,
@@ -222,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        tables = {"cp_sweep": format_cp_table, "tp_sweep": format_tp_table, "mla_sweep": format_mla_table}
+        tables = {
+            "cp_sweep": format_cp_table,
+            "tp_sweep": format_tp_table,
+            "mla_sweep": format_mla_table,
+            "deterministic_sweep": format_deterministic_report,
+        }
         table = next((t for mode, t in tables.items() if getattr(args, mode)), format_table)
         print(table(rows))
     if args.plot:
@@ -232,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             plot_sweep(rows, args.plot)
         elif args.mla_sweep:
             plot_mla_sweep(rows, args.plot)
+        elif args.deterministic_sweep:
+            plot_deterministic_sweep(rows, args.plot)
         else:
             plot_gantt(problem, GPUS[args.gpu[0]], results[args.gpu[0]], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

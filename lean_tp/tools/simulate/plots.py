@@ -187,3 +187,64 @@ def plot_mla_sweep(rows: list[dict], path: str) -> None:
     fig.tight_layout(rect=(0, 0, 0.92, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --deterministic-sweep's engine modes: (row key prefix, label, line style, marker).
+ENGINE_STYLES = (
+    ("vllm", "vLLM batch-invariant (no split)", "-", "o"),
+    ("sglang_flashinfer", "SGLang FlashInfer (2048-token splits)", "--", "s"),
+    ("sglang_triton", "SGLang Triton (256-token splits)", ":", "^"),
+)
+
+
+def plot_deterministic_sweep(rows: list[dict], path: str) -> None:
+    """Each engine's deterministic mode over lean's batch-invariant mode, modelled: per GPU, the TP-8
+    rank against context (one colour per batch, one line style per engine) and the paper's shapes
+    (one marker per engine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    gpus = sorted({r["gpu"] for r in rows})
+    fig, axes = plt.subplots(len(gpus), 2, figsize=(15, 5.6 * len(gpus)), squeeze=False, sharey=True)
+    for (left, right), gpu in zip(axes, gpus):
+        tp8 = [r for r in rows if r["gpu"] == gpu and r["shapes"] != "paper"]
+        for k, batch in enumerate(sorted({r["batch"] for r in tp8})):
+            mine = sorted((r for r in tp8 if r["batch"] == batch), key=lambda r: r["context"])
+            for engine, _, style, marker in ENGINE_STYLES:
+                left.plot(
+                    [r["context"] for r in mine],
+                    [r[f"{engine}_over_invariant"] for r in mine],
+                    style,
+                    color=f"C{k}",
+                    marker=marker,
+                    markersize=4,
+                    label=f"B={batch}" if engine == "vllm" else None,
+                )
+        left.set_xscale("log", base=2)
+        left.set_xlabel("context (tokens)")
+        left.set_title(f"{gpu}, {tp8[0]['shapes'] if tp8 else 'TP-8'} rank (Hq=8, Hkv=1)", fontsize=9)
+        styles = [Line2D([], [], color="grey", linestyle=style, label=label) for _, label, style, _ in ENGINE_STYLES]
+        left.legend(handles=[*left.get_legend_handles_labels()[0], *styles], fontsize=7, title="batch (colour)")
+        paper = [r for r in rows if r["gpu"] == gpu and r["shapes"] == "paper"]
+        for engine, label, _, marker in ENGINE_STYLES:
+            right.plot(
+                range(len(paper)), [r[f"{engine}_over_invariant"] for r in paper], marker, markersize=6, label=label
+            )
+        right.set_xticks(range(len(paper)), [r["problem"].replace(" D=128", "") for r in paper], rotation=60,
+                         ha="right", fontsize=6)  # fmt: skip
+        right.set_title(f"{gpu}, the paper's shapes", fontsize=9)
+        right.legend(fontsize=7)
+        for ax in (left, right):
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_yscale("log", base=2)
+        left.set_ylabel("engine mode time / lean invariant time")
+    fig.suptitle(
+        "Deterministic decode, modelled: above 1 lean's batch-invariant mode is faster "
+        "(solid: vLLM, dashed: SGLang FlashInfer, dotted: SGLang Triton)"
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -120,6 +120,25 @@ def tp_sweep_problems(tp: int) -> list[tuple[str, int, int, Problem]]:
     return out
 
 
+# --deterministic-sweep's TP-8 subset: the Llama-3-70B / Qwen2.5-72B rank (8 query heads over 1 KV
+# head; Llama-3-8B's and Mixtral's rank of 4 query heads gives the engines the same CTAs), every
+# batch, 4 of the 6 contexts, so that the sweep with the paper's shapes runs in ~6 minutes on 2 cores.
+DETERMINISTIC_TP8_MODELS = ("llama-3-70b", "qwen2.5-72b")
+DETERMINISTIC_CONTEXTS = (1024, 16384, 262144, 1048576)
+
+
+def deterministic_sweep_cases() -> list[tuple[str, int, int, Problem]]:
+    """(shape set, batch, context, problem) of ``--deterministic-sweep``: the TP-8 subset, then the
+    paper's shapes (batch and context 0 where the lengths are ragged)."""
+    tp8 = [
+        ("TP-8 " + " / ".join(DETERMINISTIC_TP8_MODELS), b, n, p)
+        for preset, b, n, p in tp_sweep_problems(8)
+        if preset == DETERMINISTIC_TP8_MODELS[0] and n in DETERMINISTIC_CONTEXTS
+    ]
+    paper = list(dict.fromkeys(paper_problems()))
+    return tp8 + [("paper", len(p.lens), p.lens[0] if len(set(p.lens)) == 1 else 0, p) for p in paper]
+
+
 CP_GPU_COUNTS = (8, 16)
 CP_CONTEXTS = (32768, 131072, 524288, 1048576)
 CP_BATCHES = (1, 8)

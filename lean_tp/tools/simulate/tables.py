@@ -8,6 +8,7 @@ import torch
 from lean_tp import cli
 from lean_tp.tools.gpus import GPUS, GPUS_PER_NODE, LINKS, GPUModel
 from lean_tp.tools.processes import map_in_processes
+from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_MODES, deterministic_schedules
 from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
 from lean_tp.tools.simulate.schedules import Schedule, simulate
 
@@ -41,14 +42,37 @@ def table_rows(problem: Problem, gpus: list[str], programs_per_sm: int | None = 
     return [row_of(problem, GPUS[name], simulate(problem, GPUS[name], programs_per_sm)) for name in gpus]
 
 
+def deterministic_table_rows(problem: Problem, gpus: list[str], programs_per_sm: int | None = None) -> list[dict]:
+    """``--deterministic-sweep``'s rows: lean's modes and the engines' deterministic modes, each
+    engine's time over lean invariant's (above 1: lean invariant is faster)."""
+    rows = []
+    for name in gpus:
+        result = deterministic_schedules(problem, GPUS[name], programs_per_sm)
+        invariant = result["lean_invariant"].time_us
+        row = {"gpu": name, "problem": problem.describe(), "kv_mb": problem.kv_bytes / 1e6}
+        for method, sched in result.items():
+            row |= {
+                f"{method}_us": sched.time_us,
+                f"{method}_merge_us": sched.merge_us,
+                f"{method}_splits": sched.splits,
+            }
+        row["invariant_over_lean"] = invariant / row["lean_us"] if row["lean_us"] else None
+        for engine in ENGINE_MODES:
+            row[f"{engine}_over_invariant"] = result[engine].time_us / invariant if invariant else None
+        rows.append(row)
+    return rows
+
+
 def table_rows_parallel(
     problems: list[Problem],
     gpus: list[str],
     programs_per_sm: int | None = None,
     workers: int | None = None,
     progress: bool = True,
+    rows_of=table_rows,
 ) -> list[dict]:
-    """``table_rows`` of every problem on every GPU, in that order, each distinct one computed once.
+    """``rows_of`` (``table_rows`` or ``deterministic_table_rows``) of every problem on every GPU, in
+    that order, each distinct one computed once.
 
     Off the GPU the schedule kernel runs in the interpreter, one program at a time on one core, so
     the (problem, GPU) runs are spread over one process per core.
@@ -57,11 +81,9 @@ def table_rows_parallel(
     unique = list(dict.fromkeys(jobs))
     calls = [(prob, [gpu], programs_per_sm) for prob, gpu in unique]
     if torch.cuda.is_available():
-        results = [
-            table_rows(*call) for call in cli.progress(calls, desc="simulating", unit="run", disable=not progress)
-        ]
+        results = [rows_of(*call) for call in cli.progress(calls, desc="simulating", unit="run", disable=not progress)]
     else:  # the workers inherit TRITON_INTERPRET=1
-        results = map_in_processes(table_rows, calls, "simulating", "run", workers, progress)
+        results = map_in_processes(rows_of, calls, "simulating", "run", workers, progress)
     done = {job: rows[0] for job, rows in zip(unique, results)}
     return [done[job] for job in jobs]
 
@@ -168,3 +190,73 @@ def format_mla_table(rows: list[dict]) -> str:
             f"| {_ratio(r['speedup_vs_flashmla'])} | {_ratio(r['speedup_vs_triton_mla'])} |"
         )
     return "\n".join(lines)
+
+
+def format_deterministic_table(rows: list[dict]) -> str:
+    """``--deterministic-sweep``'s rows: lean invariant against vLLM's batch-invariant mode and
+    SGLang's deterministic FlashInfer and Triton modes (ratios: the engine's time over lean invariant's)."""
+    head = (
+        "| GPU | shapes | problem | lean us | invariant us | invariant / lean | vLLM us | FlashInfer splits "
+        "| FlashInfer us | Triton splits | Triton us | Triton reduce us | vLLM / inv | FlashInfer / inv "
+        "| Triton / inv |"
+    )
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['gpu']} | {r['shapes']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_invariant_us']:.1f} "
+            f"| {_ratio(r['invariant_over_lean'])} | {r['vllm_us']:.1f} | {r['sglang_flashinfer_splits']} "
+            f"| {r['sglang_flashinfer_us']:.1f} | {r['sglang_triton_splits']} | {r['sglang_triton_us']:.1f} "
+            f"| {r['sglang_triton_merge_us']:.1f} | {_ratio(r['vllm_over_invariant'])} "
+            f"| {_ratio(r['sglang_flashinfer_over_invariant'])} | {_ratio(r['sglang_triton_over_invariant'])} |"
+        )
+    return "\n".join(lines)
+
+
+DETERMINISTIC_COMMAND = (
+    "python -m lean_tp.tools.simulate --deterministic-sweep --json docs/simulator/deterministic.json "
+    "--plot docs/simulator/deterministic.png > docs/simulator/deterministic.md"
+)
+ENGINE_NAMES = {
+    "vllm": "vLLM batch-invariant",
+    "sglang_flashinfer": "SGLang FlashInfer",
+    "sglang_triton": "SGLang Triton",
+}
+
+
+def format_deterministic_report(rows: list[dict]) -> str:
+    """``--deterministic-sweep``'s whole page (docs/simulator/deterministic.md): how it is made, the
+    engines' constants with their sources, each engine's range against lean invariant, every row."""
+    lines = [
+        "# Simulated deterministic decode: lean's batch-invariant mode against the engines'",
+        "",
+        f"`{DETERMINISTIC_COMMAND}` writes this page (the schedule code runs in the Triton interpreter on CPU).",
+        "Modelled, not measured: the time model of "
+        "[BENCHMARKS.md](../BENCHMARKS.md#deterministic-modes---deterministic-sweep),",
+        "the engines' modes in `lean_tp/tools/simulate/deterministic.py`. Ratios are the engine's time over lean "
+        "invariant's: above 1, lean invariant is faster.",
+        "",
+        "| constant | value | source |",
+        "|---|---|---|",
+        *(f"| {name} | {value} | {source} |" for name, value, source in ENGINE_CONSTANTS),
+        "",
+        "| GPU | mode | over lean invariant | lean invariant faster (> 1.01x) | within 1% | slower (< 0.99x) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for gpu in sorted({r["gpu"] for r in rows}):
+        mine = [r for r in rows if r["gpu"] == gpu]
+        ratios = {"lean default (invariant / lean)": [r["invariant_over_lean"] for r in mine]}
+        ratios |= {ENGINE_NAMES[e]: [r[f"{e}_over_invariant"] for r in mine] for e in ENGINE_MODES}
+        for name, values in ratios.items():
+            values = [v for v in values if v is not None]
+            counts = [
+                sum(v > 1.01 for v in values),
+                sum(0.99 <= v <= 1.01 for v in values),
+                sum(v < 0.99 for v in values),
+            ]
+            shares = " | ".join("-" if name.startswith("lean") else f"{n} of {len(values)}" for n in counts)
+            lines.append(f"| {gpu} | {name} | {_range(values)} | {shares} |")
+    return "\n".join([*lines, "", format_deterministic_table(rows)])
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}x" if values else "n/a"
