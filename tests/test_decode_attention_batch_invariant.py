@@ -21,7 +21,7 @@ import lean_tp
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import alloc_workspace, counters_size
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
-from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, DecodeConfig
+from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS, DecodeConfig
 from lean_tp.ops.utils import interpreted
 
 pytestmark = pytest.mark.skipif(
@@ -40,8 +40,10 @@ CONFIG = DecodeConfig(
     reason="tests: 16-key chunks, groups of 256 keys",
 )
 GROUP_KEYS = CHUNK * INVARIANT_GROUP_CHUNKS
-# 0, 1, chunk - 1, chunk, chunk + 1, a group's keys +- 1, and lengths of several groups.
-POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 530, 700]
+SUPER_KEYS = GROUP_KEYS * INVARIANT_SUPER_GROUPS
+# 0, 1, chunk - 1, chunk, chunk + 1, a group's keys +- 1, lengths of several groups, and one of
+# two supergroups.
+POOL_LENS = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, GROUP_KEYS - 1, GROUP_KEYS + 1, 530, SUPER_KEYS + 60]
 
 
 def run(inputs: dict, idx: list[int], num_programs: int, batch_invariant: bool = True, config=CONFIG):
@@ -66,11 +68,11 @@ def assert_same_bits(got, want, what):
         )
 
 
-def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 13) -> None:
+def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 13, config=CONFIG) -> None:
     """Every request alone (4 programs), against the float64 reference, then ``batches`` random
     batches of the pool in random order on random grids, bitwise against alone."""
     n = len(inputs["cache_seqlens"])
-    alone = [run(inputs, [i], 4) for i in range(n)]
+    alone = [run(inputs, [i], 4, config=config) for i in range(n)]
     atol = ATOL[inputs["q"].dtype] * (4 if inputs["k_cache"].dtype.itemsize == 1 else 1)
     for i, (out, lse) in enumerate(alone):
         assert_matches_feature_ref(out, lse, select(inputs, [i]), atol)
@@ -78,7 +80,7 @@ def check_invariance(inputs: dict, batches: int, seed: int, max_programs: int = 
     for _ in range(batches):
         idx = rnd.sample(range(n), rnd.randint(2, n))
         programs = rnd.randint(1, max_programs)
-        out, lse = run(inputs, idx, programs)
+        out, lse = run(inputs, idx, programs, config=config)
         for j, i in enumerate(idx):
             assert_same_bits(
                 (out[j], lse[j]),
@@ -157,6 +159,18 @@ CASES = {
 def test_request_bits_do_not_depend_on_the_batch(case):
     inputs = make_feature_inputs(POOL_LENS, 4, 1, 64, torch.float16, seed=21, **CASES[case])
     check_invariance(inputs, batches=3, seed=len(case))
+
+
+def test_supergroups_and_chunks_of_several_key_blocks():
+    """Chunks of two 16-key blocks (one K/V loop runs across their boundaries) and outputs of one
+    and two supergroups, held whole by one program (1 program) or split so that some supergroups
+    lie in one program and others span several."""
+    config = dataclasses.replace(CONFIG, tile_n=2 * CHUNK)
+    super_keys = 2 * SUPER_KEYS
+    inputs = make_feature_inputs([super_keys + 300, 33, super_keys, 0], 4, 1, 32, torch.float16, "paged16", seed=29)
+    check_invariance(inputs, batches=3, seed=29, config=config)
+    out, lse = run(inputs, [0], 1, config=config)
+    assert_same_bits((out, lse), run(inputs, [0], 4, config=config), "one program against four")
 
 
 def test_gqa_and_two_row_blocks():
@@ -243,11 +257,14 @@ def test_op_and_launcher_agree_and_the_flag_is_checked():
 
 
 def test_workspace_is_sized_from_shapes():
-    """Group values take one slot per group of each output's capacity; a grid-sized one is refused."""
-    inputs = make_feature_inputs([0, 40, 300], 4, 1, 64, torch.float16, seed=28)
+    """Group and supergroup values take one slot per group and supergroup of each output's
+    capacity; a grid-sized workspace is refused."""
+    inputs = make_feature_inputs([0, 40, 1300], 4, 1, 64, torch.float16, seed=28)
     call = select(inputs, [0, 1, 2])
     slots = plan_decode(**call, batch_invariant=True, num_programs=4, config=CONFIG).group_slots
-    assert slots == 3 * -(-call["k_cache"].shape[2] // GROUP_KEYS)
+    groups = -(-call["k_cache"].shape[2] // GROUP_KEYS)
+    assert groups > INVARIANT_SUPER_GROUPS
+    assert slots == 3 * (groups + -(-groups // INVARIANT_SUPER_GROUPS))
     with pytest.raises(ValueError, match="workspace: expected contiguous tensors"):
         decode_attention_fwd(
             **call,

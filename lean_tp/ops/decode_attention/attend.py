@@ -136,6 +136,101 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
 
 
 @triton.jit
+def attend_block(
+    b_acc,
+    b_m,
+    b_l,
+    b_q,
+    b_qt,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    b,
+    h_kv,
+    n_base,
+    n0,
+    n_hi,
+    b_lo,
+    b_hi,
+    qk_scale,
+    cap_log2,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_bt,
+    num_pages,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROW_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    E4M3_BITS: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_IN_K: tl.constexpr,
+):
+    """The state (acc [BLOCK_G, BLOCK_D], m, l [BLOCK_G]) after keys [n0, min(n0 + BLOCK_N, n_hi))
+    are added to it: one iteration of the K/V loop (``attend_segment`` gives the arguments)."""
+    # A cache of 4-byte words (E4M3_BITS, see _upcast) has a quarter of the columns.
+    PER_COL: tl.constexpr = 4 if k_ptr.dtype.element_ty == tl.int32 else 1
+    o_d = tl.arange(0, BLOCK_D // PER_COL)
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_hi
+    # Page ids looked up for this block (one per key, or one for the block with BLOCK_IN_PAGE):
+    # the pipeliner requests them a stage ahead of the K/V copies they address (launched with
+    # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
+    # addresses too.
+    o_row, o_pos = _kv_index(
+        bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, num_pages, PAGED, PAGE_SIZE, BLOCK_IN_PAGE
+    )
+    o_k = o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh
+    p_k = k_ptr + o_k[:, None] + o_d[None, :]
+    p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
+    b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    if HEAD_DIM_T > 0:
+        o_dt = tl.arange(0, BLOCK_DT // PER_COL)
+        p_kt = k_ptr + o_k[:, None] + (HEAD_DIM // PER_COL + o_dt)[None, :]
+        b_kt = _upcast(load_rows(p_kt, m_n, o_dt, HEAD_DIM_T // PER_COL, BLOCK_DT // PER_COL), b_q.dtype, E4M3_BITS)
+        b_s = tl.dot(b_qt, tl.trans(b_kt), b_s, input_precision=DOT_PRECISION)
+    b_s = b_s * qk_scale
+    if SOFTCAP:
+        b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
+    if ROW_MASK:
+        m_s = m_n[None, :] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+    else:
+        m_s = m_n[None, :]
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_m_ref = ref_max(b_m_new, ROW_MASK)
+    b_alpha = tl.exp2(b_m - b_m_ref)
+    b_p = tl.exp2(b_s - b_m_ref[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    if V_IN_K:
+        b_v = b_k
+    else:
+        b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
+    return b_acc, b_m_new, b_l
+
+
+@triton.jit
+def bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE: tl.constexpr):
+    """Whether the page of a key in [n_lo, n_hi) (cache positions from n_base) lies outside
+    [0, num_pages): ``_has_bad_page`` over the block-table columns of those keys."""
+    PAGE_SHIFT: tl.constexpr = PAGE_SIZE.bit_length() - 1
+    c_lo, c_hi = (n_base + n_lo) >> PAGE_SHIFT, ((n_base + n_hi - 1) >> PAGE_SHIFT) + 1
+    return _has_bad_page(bt_ptr, b, c_lo, c_hi, stride_bt, num_pages)
+
+
+@triton.jit
 def attend_segment(
     b_q,
     b_qt,
@@ -192,59 +287,52 @@ def attend_segment(
     poisons its own sequence, and no other output reads this partial. ``_has_bad_page`` finds
     such ids after the K/V loop, which holds no value for it.
     """
-    # A cache of 4-byte words (E4M3_BITS, see _upcast) has a quarter of the columns.
-    PER_COL: tl.constexpr = 4 if k_ptr.dtype.element_ty == tl.int32 else 1
-    PAGE_SHIFT: tl.constexpr = PAGE_SIZE.bit_length() - 1
-    o_d = tl.arange(0, BLOCK_D // PER_COL)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < n_hi
-        # Page ids looked up for this block (one per key, or one for the block with BLOCK_IN_PAGE):
-        # the pipeliner requests them a stage ahead of the K/V copies they address (launched with
-        # DecodeConfig.paged_stages). The lookup is shared by K and V, and with SAME_KV_STRIDES the
-        # addresses too.
-        o_row, o_pos = _kv_index(
-            bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, num_pages, PAGED, PAGE_SIZE, BLOCK_IN_PAGE
+        b_acc, b_m, b_l = attend_block(
+            b_acc,
+            b_m,
+            b_l,
+            b_q,
+            b_qt,
+            k_ptr,
+            v_ptr,
+            bt_ptr,
+            b,
+            h_kv,
+            n_base,
+            n0,
+            n_hi,
+            b_lo,
+            b_hi,
+            qk_scale,
+            cap_log2,
+            stride_kb,
+            stride_kn,
+            stride_kh,
+            stride_vb,
+            stride_vn,
+            stride_vh,
+            stride_bt,
+            num_pages,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            PAGED,
+            PAGE_SIZE,
+            DOT_PRECISION,
+            ROW_MASK,
+            SOFTCAP,
+            E4M3_BITS,
+            BLOCK_IN_PAGE,
+            HEAD_DIM_T,
+            BLOCK_DT,
+            V_IN_K,
         )
-        o_k = o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh
-        p_k = k_ptr + o_k[:, None] + o_d[None, :]
-        p_v = (
-            v_ptr
-            + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None]
-            + o_d[None, :]
-        )
-        b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        if HEAD_DIM_T > 0:
-            o_dt = tl.arange(0, BLOCK_DT // PER_COL)
-            p_kt = k_ptr + o_k[:, None] + (HEAD_DIM // PER_COL + o_dt)[None, :]
-            b_kt = _upcast(load_rows(p_kt, m_n, o_dt, HEAD_DIM_T // PER_COL, BLOCK_DT // PER_COL), b_q.dtype, E4M3_BITS)
-            b_s = tl.dot(b_qt, tl.trans(b_kt), b_s, input_precision=DOT_PRECISION)
-        b_s = b_s * qk_scale
-        if SOFTCAP:
-            b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
-        if ROW_MASK:
-            m_s = m_n[None, :] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
-        else:
-            m_s = m_n[None, :]
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_ref = ref_max(b_m_new, ROW_MASK)
-        b_alpha = tl.exp2(b_m - b_m_ref)
-        b_p = tl.exp2(b_s - b_m_ref[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if V_IN_K:
-            b_v = b_k
-        else:
-            b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
-        b_m = b_m_new
     if PAGED:
-        c_lo, c_hi = (n_base + n_lo) >> PAGE_SHIFT, ((n_base + n_hi - 1) >> PAGE_SHIFT) + 1
-        bad = _has_bad_page(bt_ptr, b, c_lo, c_hi, stride_bt, num_pages)
+        bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)
         b_l = tl.where(bad, float("nan"), b_l)
         b_acc = tl.where(bad, float("nan"), b_acc)
     return b_acc, b_m, b_l

@@ -119,6 +119,7 @@ def decode_attention_fwd_kernel(
     STRIDE_ALIGN: tl.constexpr,
     INVARIANT: tl.constexpr,
     IGROUP: tl.constexpr,
+    ISUPER: tl.constexpr,
 ):
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
@@ -133,8 +134,9 @@ def decode_attention_fwd_kernel(
     STRIDE_ALIGN divides
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
-    INVARIANT: the batch-invariant mode (invariant.py), with chunks folded in groups of IGROUP and
-    max_groups group slots per output in the workspace; the default mode ignores max_groups.
+    INVARIANT: the batch-invariant mode (invariant.py), with chunks folded in groups of IGROUP, groups
+    in supergroups of ISUPER, and max_groups groups per output at most; the default mode ignores
+    max_groups.
     num_pages: the paged pool's size; a key on a page id outside [0, num_pages) is never read and
     makes its sequence's output rows and lse NaN (``attend_segment``).
     """
@@ -243,6 +245,7 @@ def decode_attention_fwd_kernel(
                 BLOCK_IN_PAGE,
                 HAS_SCALES,
                 IGROUP,
+                ISUPER,
                 HEAD_DIM_T,
                 BLOCK_DT,
                 V_IN_K,

@@ -19,6 +19,7 @@ import torch
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.tuning import (
     INVARIANT_GROUP_CHUNKS,
+    INVARIANT_SUPER_GROUPS,
     MAX_CONTRIBUTORS,
     MERGE_FANIN,
     MIN_TILES_PER_PROGRAM,
@@ -126,6 +127,7 @@ class KernelVariant:
             "SAME_KV_STRIDES": paged and config.share_kv_addresses and not f.kv_strides_differ,
             "INVARIANT": f.batch_invariant,
             "IGROUP": INVARIANT_GROUP_CHUNKS,
+            "ISUPER": INVARIANT_SUPER_GROUPS,
         }
 
     @property
@@ -139,7 +141,7 @@ class KernelVariant:
 
     def compile_options(self) -> dict[str, int]:
         """Triton launch options (warps, stages, register cap) of this variant."""
-        return self.config.compile_options(self.page_size is not None, self.block_g)
+        return self.config.compile_options(self.page_size is not None, self.block_g, self.features.batch_invariant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +182,23 @@ class DecodePlan:
 
     @property
     def group_slots(self) -> int | None:
-        """Workspace slots of group values in the batch-invariant mode (one per group of each
-        output), None otherwise; sized from shapes, never from lengths."""
+        """Workspace slots of group and supergroup values in the batch-invariant mode (one per
+        group and per supergroup of each output: ``invariant_slots``), None otherwise; sized from
+        shapes, never from lengths."""
         if not self.features.batch_invariant:
             return None
-        return self.batch * self.head_units * self.max_groups
+        return self.batch * self.head_units * invariant_slots(self.max_groups)
 
 
 def span_limit(window: int | None, num_tokens: int) -> int:
     """Keys of a sequence that any of its ``num_tokens`` queries sees (``DecodePlan.max_span``)."""
     return window + num_tokens - 1 if window is not None else NO_SPAN_LIMIT
+
+
+def invariant_slots(max_groups: int) -> int:
+    """Workspace slots of one output in the batch-invariant mode: its groups' values, then its
+    supergroups' (the kernel's ``invariant.out_slots``)."""
+    return max_groups + -(-max_groups // INVARIANT_SUPER_GROUPS)
 
 
 def invariant_groups(capacity: int, max_span: int, tile_n: int) -> int:

@@ -52,18 +52,24 @@ class DecodeConfig:
     # it to ptxas. Larger row blocks hold 2-4x the accumulators and would spill in the K/V loop
     # under the cap. See _REGS.
     max_registers: int | None = None
+    # The same cap for the batch-invariant variant alone, where the default needs none: its
+    # chunk-end block in the K/V loop (chunks.attend_chunks) raises ptxas's choice past an
+    # occupancy step that the default stays under. See _REGS_INVARIANT.
+    invariant_max_registers: int | None = None
     # V's head dim when it is below K's (MLA: a 576-dim latent + rope row as K, its first 512 dims
     # as V); None for equal head dims. The table's key names K's head dim.
     head_dim_v: int | None = None
 
-    def compile_options(self, paged: bool, block_g: int) -> dict[str, int]:
+    def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
         pipeline stages (``paged_stages`` for a paged cache when set) and ``maxnreg`` where the
-        entry caps registers and the installed Triton is one the caps were read on."""
+        entry caps registers (``invariant``: the batch-invariant variant's cap, when set) and the
+        installed Triton is one the caps were read on."""
         stages = self.paged_stages if paged and self.paged_stages else self.num_stages
         options = {"num_warps": self.num_warps, "num_stages": stages}
-        capped = self.max_registers and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
-        return options | ({"maxnreg": self.max_registers} if capped else {})
+        cap = (invariant and self.invariant_max_registers) or self.max_registers
+        capped = cap and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
+        return options | ({"maxnreg": cap} if capped else {})
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "block_n", "max_block_g"):
@@ -95,13 +101,18 @@ MERGE_FANIN = 8
 # so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
 MAX_CONTRIBUTORS = MERGE_FANIN**2
 
-# Batch-invariant mode (invariant.py): chunks of an output are folded in fixed groups of this many,
-# then the groups' values are folded. A split output's merge then loads at most
-# INVARIANT_GROUP_CHUNKS - 1 chunk partials plus one value per group: at 128k keys and 128-key
-# tiles, 15 + 64 loads instead of 1023 for a flat fold. The group values' workspace is one
-# BLOCK_G x BLOCK_D fp32 partial (D=128: 8 KB) per 16 tiles of each sequence's capacity and head
-# unit (D=128 fp16: 2048 keys, 1 MB of K and V): 0.8% of the cache it covers.
-INVARIANT_GROUP_CHUNKS = 16
+# Batch-invariant mode (invariant.py): an output's chunks are folded in fixed groups of
+# INVARIANT_GROUP_CHUNKS, the groups' values in supergroups of INVARIANT_SUPER_GROUPS, and the
+# supergroups' values into the output, each level left to right. The levels mirror the default
+# merge tree's: a group's last holder loads at most 8 partials (MERGE_FANIN), a supergroup's last
+# group at most 8 values, so at the TP-8 rank shape at 4k (32 chunks, 32 programs) the invariant
+# chain is the default's (8 + 4 partials), and at 128k (1024 chunks over 64 programs) it is
+# 8 + 8 + 16 partials instead of the default's 8 + 8, where one level of 16-chunk groups loaded
+# 15 + 64. Workspace: one BLOCK_G x BLOCK_D fp32 value per group and per supergroup of each
+# sequence's capacity and head unit (D=128 fp16: 8 KB per 1024 keys, which hold 512 KB of K and
+# V): 1.8% of the cache it covers.
+INVARIANT_GROUP_CHUNKS = 8
+INVARIANT_SUPER_GROUPS = 8
 
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
@@ -172,6 +183,10 @@ _FITS = "; programs/SM cap: what fits (kernel report), not timed"
 _FP8 = "fp8: the 16-bit entry"
 _REGS = "; at most 128 registers: 2 programs/SM (kernel report)"
 _REGS90 = "; at most 168 registers: 3 programs/SM for every layout and feature (kernel report)"
+# sm_90 D=64: the batch-invariant variant takes 255 registers left to ptxas (2 programs/SM, the
+# default 158-195 and 3); capped at 168 it fits 3 with no spill in the K/V loop. The default keeps
+# ptxas's choice (under the cap its paged loop spills, see the caps above).
+_REGS_INVARIANT = "; invariant variant at most 168 registers: 3 programs/SM (kernel report)"
 
 # MLA decode (DeepSeek-V2/V3, Kimi-K2): one latent KV head of 576 dims (512 latent + 64 rope) read
 # by 16 (TP 8) to 128 (TP 1) query heads, V its first 512 dims, read from K's tile (V_IN_K): 1152
@@ -237,7 +252,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         share_kv_addresses=False,
         paged_stages=5,
-        reason=_PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE + _AHEAD,
+        invariant_max_registers=168,
+        reason=_PAPER_D64 + _STAGES + _BN128 + _FITS + _WAVE90 + _NO_SHARE + _AHEAD + _REGS_INVARIANT,
     ),
     ("sm90", 128, 2): DecodeConfig(
         tile_n=128,

@@ -1,0 +1,210 @@
+"""Chunk partials of the batch-invariant mode (invariant.py): keys cut on the TILE_N grid, each
+chunk attended from a fresh state, and the fold of two partials in a fixed order."""
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.attend import INTERPRETED, attend_block, bad_pages
+from lean_tp.ops.decode_attention.merge import ref_max
+
+
+@triton.jit
+def empty_state(BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fold's start (acc [BLOCK_G, BLOCK_D], m, l [BLOCK_G]): no key seen. Folding a partial
+    into it gives the partial's bits back."""
+    return (
+        tl.zeros([BLOCK_G, BLOCK_D], tl.float32),
+        tl.full([BLOCK_G], float("-inf"), tl.float32),
+        tl.zeros([BLOCK_G], tl.float32),
+    )
+
+
+@triton.jit
+def fold_pair(acc1, m1, l1, acc2, m2, l2):
+    """Partial 1 followed by partial 2, with explicit fused multiply-adds: the compiler cannot
+    contract the two products differently where this is inlined in different places."""
+    m = tl.maximum(m1, m2)
+    ref = ref_max(m, True)
+    a1 = tl.exp2(m1 - ref)
+    a2 = tl.exp2(m2 - ref)
+    return tl.fma(acc2, a2[:, None], acc1 * a1[:, None]), m, tl.fma(l2, a2, l1 * a1)
+
+
+@triton.jit
+def _store_in_place(p, x, mask):
+    """tl.store(p, x, mask) of fp32 x from the threads that hold x, in x's layout: a tl.store
+    converts x to a coalesced layout through shared memory, whose buffer inside the K/V loop comes
+    on top of the pipeline's (a program per SM on sm_90 D=128)."""
+    if INTERPRETED:
+        tl.store(p, x, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f,r",
+            [p.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _store_chunk(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``merge.store_partial`` from inside the K/V loop (``_store_in_place``)."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < n_rows
+    o_slot = tl.cast(o_slot, tl.int64)
+    p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :]
+    _store_in_place(p_acc, b_acc, m_g[:, None] & (o_d < BLOCK_D)[None, :])
+    _store_in_place(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m, m_g)
+    _store_in_place(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l, m_g)
+
+
+@triton.jit
+def attend_chunks(
+    b_q,
+    b_qt,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    ws_acc_ptr,
+    ws_ml_ptr,
+    lead_slot0,
+    group_slot0,
+    c_lead,
+    in_registers,
+    n_rows,
+    b,
+    h_kv,
+    n_base,
+    n_lo,
+    n_hi,
+    span,
+    b_lo,
+    b_hi,
+    qk_scale,
+    cap_log2,
+    v_scale,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_bt,
+    num_pages,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IGROUP: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROW_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    E4M3_BITS: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr,
+    HEAD_DIM_T: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    V_IN_K: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):
+    """The chunks of keys [n_lo, n_hi) of a span of ``span`` keys (n_lo on the TILE_N grid; n_hi a
+    chunk's end or the span's), each attended from a fresh state, its acc multiplied by v_scale
+    (with HAS_SCALES). Chunks before chunk c_lead go one by one to workspace slots lead_slot0 + i
+    (the i-th chunk of the range); the rest are folded left to right in groups of IGROUP (on the
+    span's chunk grid), and each group completed here is folded into the returned o (with
+    in_registers) or written to slot group_slot0 + its index. Returns (o, g, bad): g the fold of
+    the chunks after the last group end (a group the range ends inside), bad whether a page id of
+    the range lies outside the pool (``attend_segment``; the caller poisons what was written).
+
+    One K/V loop covers every chunk and group, and their ends only move states (registers, or a
+    store from the registers that hold them), so the pipeliner's copies of the next keys are in
+    flight across them: the pipeline fills once per call, as in the default mode. A chunk's
+    operations are those of ``attend_segment`` over it, wherever the range begins."""
+    o_acc, o_m, o_l = empty_state(BLOCK_G, BLOCK_D)
+    g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
+    c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        c_acc, c_m, c_l = attend_block(
+            c_acc,
+            c_m,
+            c_l,
+            b_q,
+            b_qt,
+            k_ptr,
+            v_ptr,
+            bt_ptr,
+            b,
+            h_kv,
+            n_base,
+            n0,
+            n_hi,
+            b_lo,
+            b_hi,
+            qk_scale,
+            cap_log2,
+            stride_kb,
+            stride_kn,
+            stride_kh,
+            stride_vb,
+            stride_vn,
+            stride_vh,
+            stride_bt,
+            num_pages,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            PAGED,
+            PAGE_SIZE,
+            DOT_PRECISION,
+            ROW_MASK,
+            SOFTCAP,
+            E4M3_BITS,
+            BLOCK_IN_PAGE,
+            HEAD_DIM_T,
+            BLOCK_DT,
+            V_IN_K,
+        )
+        if ((n0 + BLOCK_N) % TILE_N == 0) | (n0 + BLOCK_N >= n_hi):  # chunk n0 // TILE_N ends here
+            chunk = n0 // TILE_N
+            if HAS_SCALES:
+                c_acc = c_acc * v_scale
+            if chunk < c_lead:
+                _store_chunk(
+                    ws_acc_ptr,
+                    ws_ml_ptr,
+                    lead_slot0 + chunk - n_lo // TILE_N,
+                    n_rows,
+                    c_acc,
+                    c_m,
+                    c_l,
+                    BLOCK_D,
+                    BLOCK_G,
+                )
+            else:
+                g_acc, g_m, g_l = fold_pair(g_acc, g_m, g_l, c_acc, c_m, c_l)
+                if ((chunk + 1) % IGROUP == 0) | (n0 + BLOCK_N >= span):  # and its group
+                    if in_registers:
+                        o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
+                    else:
+                        _store_chunk(
+                            ws_acc_ptr,
+                            ws_ml_ptr,
+                            group_slot0 + chunk // IGROUP,
+                            n_rows,
+                            g_acc,
+                            g_m,
+                            g_l,
+                            BLOCK_D,
+                            BLOCK_G,
+                        )
+                    g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
+            c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
+    bad = False
+    if PAGED:
+        bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)
+    return o_acc, o_m, o_l, g_acc, g_m, g_l, bad
