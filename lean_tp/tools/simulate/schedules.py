@@ -27,7 +27,7 @@ import torch
 
 from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launcher import merge_plan
-from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS
+from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
 
@@ -117,12 +117,17 @@ def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False)
     )
 
 
+def _in_flight_bytes(problem: Problem, gpu: GPUModel) -> int:
+    """K/V bytes one program (or CTA) keeps in flight: its pipeline's buffers ahead of compute."""
+    config = lean_variant(problem, gpu).config
+    return max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
+
+
 def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing the
     copy bandwidth in proportion. Every method gets this model."""
-    config = lean_variant(problem, gpu).config
-    in_flight = max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
+    in_flight = _in_flight_bytes(problem, gpu)
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
     share = min(1.0, gpu.hbm_tbps * 1e6 / max(sum(want), 1e-9))
     return [w * share for w in want]
@@ -149,10 +154,11 @@ def _shared_clock(works: list[float], rate: float):
     return clock
 
 
-def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel) -> float:
-    """One level of the tree: the arrival atomic, one L2 round trip per wave of partial loads, and
-    the partials through the merger's L2 port."""
-    return gpu.l2_latency_us * (1 + math.ceil(members / wave)) + members * partial_bytes / (gpu.l2_port_gbps * 1e3)
+def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel, counted: bool = True) -> float:
+    """One level of the tree: the arrival atomic (when ``counted``), one L2 round trip per wave of
+    partial loads, and the partials through the merger's L2 port."""
+    trips = int(counted) + math.ceil(members / wave)
+    return gpu.l2_latency_us * trips + members * partial_bytes / (gpu.l2_port_gbps * 1e3)
 
 
 def lean_sim_schedule(
@@ -235,31 +241,58 @@ def _tree_merges(plan: dict, seg_end: dict, kv_end: float, partial: int, wave: i
 def _invariant_merges(
     programs, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel
 ) -> tuple[float, int]:
-    """(end, longest chain of partials) of the batch-invariant mode's merges (``invariant.py``). For
-    each split output, each group of ``INVARIANT_GROUP_CHUNKS`` chunks is ready when its holders'
-    segments end; a group with several holders is then merged from its first holder's fold and
-    each later chunk's partial, and the output from its groups' values, both as left-to-right
-    folds of ``wave`` partials loaded at once: one L2 round trip per wave plus the arrival atomic."""
-    holders: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    """(end, longest chain of partials) of the batch-invariant mode's folds (``invariant.py``),
+    each a left-to-right fold of ``wave`` partials loaded at once: one L2 round trip per wave, plus
+    the arrival atomic where several programs count in. A group of ``INVARIANT_GROUP_CHUNKS`` chunks
+    is ready when its holders' segments end (one holder: in registers; several: its last holder
+    folds the first holder's fold and each later chunk); a supergroup of
+    ``INVARIANT_SUPER_GROUPS`` groups when its groups are, then folded from the workspace; an output
+    of several supergroups folds their values. A one-program output of one supergroup folds in
+    registers, and a supergroup of one split group is the value its last holder folded."""
+    pieces: dict[tuple[int, int], list[tuple[int, int, int, float]]] = {}
     for p, segments in enumerate(programs):
         for s in segments:
-            if s.contributors > 1:
-                holders.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, seg_end[(p, s.slot)]))
+            pieces.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, p, seg_end[(p, s.slot)]))
     end, chain = kv_end, 0
-    for pieces in holders.values():
-        n = max(first + n_tiles for first, n_tiles, _ in pieces)
-        groups = []
-        for g0 in range(0, n, INVARIANT_GROUP_CHUNKS):
-            g1 = min(g0 + INVARIANT_GROUP_CHUNKS, n)
-            own = sorted(x for x in pieces if x[0] < g1 and x[0] + x[1] > g0)
-            ready = max(t for _, _, t in own)
-            loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
-            if loads:
-                ready += _merge_level_us(loads, wave, partial, gpu)
-            groups.append((ready, loads))
-        end = max(end, max(r for r, _ in groups) + _merge_level_us(len(groups), wave, partial, gpu))
-        chain = max(chain, max(c for _, c in groups) + len(groups))
+    for held in pieces.values():
+        n = max(first + n_tiles for first, n_tiles, _, _ in held)
+        if len(held) == 1 and n <= INVARIANT_GROUP_CHUNKS * INVARIANT_SUPER_GROUPS:
+            continue
+        groups = [
+            _group_ready(held, g0, min(g0 + INVARIANT_GROUP_CHUNKS, n), partial, wave, gpu)
+            for g0 in range(0, n, INVARIANT_GROUP_CHUNKS)
+        ]
+        supers = []
+        for k0 in range(0, len(groups), INVARIANT_SUPER_GROUPS):
+            members = groups[k0 : k0 + INVARIANT_SUPER_GROUPS]
+            t0, t1 = k0 * INVARIANT_GROUP_CHUNKS, min((k0 + len(members)) * INVARIANT_GROUP_CHUNKS, n)
+            counted = len({p for first, n_tiles, p, _ in held if first < t1 and first + n_tiles > t0}) > 1
+            ready = max(r for r, _ in members)
+            if len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
+                ready += _merge_level_us(len(members), wave, partial, gpu, counted and len(members) > 1)
+            supers.append((ready, max(c for _, c in members) + len(members)))
+        finish, longest = max(supers)
+        if len(held) == 1:  # one program folds its supergroups one after another, then them
+            finish = held[0][3] + sum(r - held[0][3] for r, _ in supers)
+        if len(supers) > 1:
+            finish = max(finish, *(r for r, _ in supers)) + _merge_level_us(
+                len(supers), wave, partial, gpu, len(held) > 1
+            )
+            longest = max(c for _, c in supers) + len(supers)
+        end, chain = max(end, finish), max(chain, longest)
     return end, chain
+
+
+def _group_ready(held: list, g0: int, g1: int, partial: int, wave: int, gpu: GPUModel) -> tuple[float, int]:
+    """(time, chain of partials) at which the value of the group of chunks [g0, g1) is known:
+    its holders' segments end; with several holders, its last holder then folds the first
+    holder's fold and each later chunk."""
+    own = sorted(x for x in held if x[0] < g1 and x[0] + x[1] > g0)
+    ready = max(t for _, _, _, t in own)
+    loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
+    if loads:
+        ready += _merge_level_us(loads, wave, partial, gpu)
+    return ready, loads
 
 
 def fixed_split_schedule(
