@@ -246,6 +246,20 @@ def test_torch_backend_is_batch_invariant():
             assert_same_bits((got[0][j], got[1][j]), (want[0][0], want[1][0]), f"torch backend, batch {idx}")
 
 
+def test_torch_backend_gives_a_verified_token_its_decode_bits():
+    """The torch backend's invariant mode: token t of a Tq = 4 block (window, softcap, sinks; one
+    sequence shorter than the block) has the bits of decoding it alone at its position."""
+    inputs = make_feature_inputs(
+        [300, 2, 40], 8, 2, 32, torch.float32, "paged16", tq=4, window=200, softcap=20.0, sinks=True, seed=30
+    )
+    call = select(inputs, [0, 1, 2])
+    out, lse = lean_tp.decode_attention(**call, return_lse=True, backend="torch", batch_invariant=True)
+    for t in range(4):
+        alone = dict(call, q=call["q"][:, t], cache_seqlens=(call["cache_seqlens"] - 3 + t).clamp(min=0))
+        want = lean_tp.decode_attention(**alone, return_lse=True, backend="torch", batch_invariant=True)
+        assert_same_bits((out[:, t], lse[:, t]), want, f"token {t} of 4")
+
+
 def test_op_and_launcher_agree_and_the_flag_is_checked():
     inputs = make_feature_inputs([0, 40, 300], 4, 1, 64, torch.float16, "paged16", seed=27)
     call = select(inputs, [0, 1, 2])

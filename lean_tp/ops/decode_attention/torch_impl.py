@@ -76,8 +76,20 @@ def decode_attention_torch(
     as in the kernel, so each K/V chunk is read once for all of them. ``batch_invariant`` computes
     one sequence at a time: torch's CPU reductions split their work by the size of the whole
     tensor, and the chunks stop at the batch's longest sequence, so a batch's shape would reach
-    each sequence's rounding.
+    each sequence's rounding. It also computes a block of Tq tokens one token at a time, each as
+    the one-token decode at its position (keys up to and including it), since the shape of the
+    block's products reaches their rounding too: a verified token gets its decode bits.
     """
+    if batch_invariant and q.dim() == 4 and q.shape[1] > 1:
+        tq = q.shape[1]
+        rest = (block_table, softmax_scale, cache_leftpad, k_scale, v_scale, softcap, window, sinks, True)
+        tokens = [
+            decode_attention_torch(
+                q[:, t], k_cache, v_cache, (cache_seqlens - (tq - 1 - t)).clamp(min=0), *rest, plan=plan
+            )
+            for t in range(tq)
+        ]
+        return torch.stack([out for out, _ in tokens], 1), torch.stack([lse for _, lse in tokens], 1)
     if batch_invariant and q.shape[0] > 1:
         paged = block_table is not None
         parts = [
