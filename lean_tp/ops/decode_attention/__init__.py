@@ -2,7 +2,8 @@
 
 - kernel.py: the Triton kernel; rows.py: a head unit's rows (q loads, row bounds, output stores)
 - attend.py: the K/V loop; schedule.py: the device-side stream-K schedule
-- merge.py: the kernel's merge tree; invariant.py: the batch-invariant fold
+- merge.py: the kernel's merge tree; invariant.py: the batch-invariant mode (chunks.py: its K/V
+  loop over chunks; folds.py: its folds across programs)
 - plan.py: one call's plan (layout, features, kernel variant, grid)
 - launcher.py: ``plan_decode`` and the launch; launch_args.py: the kernel's arguments, workspace
 - grid.py: occupancy and grid size; tuning.py: the launch-constant table
