@@ -197,6 +197,7 @@ def test_tp_table_merges_presets_of_one_rank_shape():
     base |= dict(
         lean_programs=32, fa2_splits=32, fa2_us=2.7, fa2_merge_us=1.3, speedup_vs_fa2=1.08, speedup_vs_flex=None
     )
+    base |= dict(speedup_vs_lean_invariant=1.04)
     shapes = {"llama-3-8b": "Hq=4 Hkv=1", "mixtral-8x7b": "Hq=4 Hkv=1", "llama-3-70b": "Hq=8 Hkv=1"}
     rows = [
         base | dict(model=m, gpu=g, problem=f"B=1 {shape} D=128 len 4096")
@@ -207,7 +208,7 @@ def test_tp_table_merges_presets_of_one_rank_shape():
     assert len(lines) == 4
     assert lines[0] == (
         "| A100 | llama-3-8b / mixtral-8x7b (Hq=4 Hkv=1 D=128) | 1 | 4096 | 2.5 | 1.10 | 12 | 24 | 32 | 32 | 2.7 | 1.30 "
-        "| 1.08x | n/a |"
+        "| 1.08x | n/a | 1.04x |"
     )
     assert lines[3].startswith("| H100 | llama-3-70b (Hq=8 Hkv=1 D=128) |")
 

@@ -269,15 +269,18 @@ def _invariant_merges(
             counted = len({p for first, n_tiles, p, _ in held if first < t1 and first + n_tiles > t0}) > 1
             ready = max(r for r, _ in members)
             if len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
-                ready += _merge_level_us(len(members), wave, partial, gpu, counted and len(members) > 1)
+                # The groups' values are stored, then loaded: one more L2 trip, as the default
+                # tree's second level pays (``_tree_merges``).
+                ready += gpu.l2_latency_us + _merge_level_us(
+                    len(members), wave, partial, gpu, counted and len(members) > 1
+                )
             supers.append((ready, max(c for _, c in members) + len(members)))
         finish, longest = max(supers)
         if len(held) == 1:  # one program folds its supergroups one after another, then them
             finish = held[0][3] + sum(r - held[0][3] for r, _ in supers)
         if len(supers) > 1:
-            finish = max(finish, *(r for r, _ in supers)) + _merge_level_us(
-                len(supers), wave, partial, gpu, len(held) > 1
-            )
+            finish = max(finish, *(r for r, _ in supers)) + gpu.l2_latency_us
+            finish += _merge_level_us(len(supers), wave, partial, gpu, len(held) > 1)
             longest = max(c for _, c in supers) + len(supers)
         end, chain = max(end, finish), max(chain, longest)
     return end, chain

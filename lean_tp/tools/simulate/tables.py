@@ -158,19 +158,19 @@ def format_tp_table(rows: list[dict]) -> str:
     same shape (Hq, Hkv, D) share a row."""
     head = (
         "| GPU | model (rank shape) | B | context | lean us | merge us | chain | merge KB | programs | FA2 splits "
-        "| FA2 us | FA2 combine us | FA2 / lean | Flex / lean |"
+        "| FA2 us | FA2 combine us | FA2 / lean | Flex / lean | invariant / lean |"
     )
     merged: dict[tuple[str, str], tuple[dict, list[str]]] = {}
     for r in rows:
         merged.setdefault((r["problem"], r["gpu"]), (r, []))[1].append(r["model"])
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for r, models in merged.values():
         shape = r["problem"].split(" ", 1)[1].rsplit(" len ", 1)[0]
         lines.append(
             f"| {r['gpu']} | {' / '.join(models)} ({shape}) | {r['batch']} | {r['context']} | {r['lean_us']:.1f} "
             f"| {r['lean_merge_us']:.2f} | {r['lean_chain']} | {r['lean_merge_kb']:.0f} | {r['lean_programs']} "
             f"| {r['fa2_splits']} | {r['fa2_us']:.1f} | {r['fa2_merge_us']:.2f} | {_ratio(r['speedup_vs_fa2'])} "
-            f"| {_ratio(r['speedup_vs_flex'])} |"
+            f"| {_ratio(r['speedup_vs_flex'])} | {_ratio(r['speedup_vs_lean_invariant'])} |"
         )
     return "\n".join(lines)
 
