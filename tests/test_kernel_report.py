@@ -181,6 +181,25 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
             assert s.issue_share <= 0.45, s
 
 
+def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
+    """The batch-invariant variants (one K/V loop per segment, whose chunk ends fold or store
+    states) keep the programs per SM, K/V buffers and load widths of the same kernel in the
+    default mode, and store no chunk through shared memory (no more than the default's)."""
+    key = lambda s: (s.arch, s.head_dim, s.dtype, s.layout, s.group, s.leftpad)  # noqa: E731
+    default = {(key(s), s.features): s for s in stats}
+    base = {"invariant": "", "all_invariant": "all"}
+    pairs = [
+        (s, default[key(s), base[s.features]])
+        for s in stats
+        if s.features in base and (key(s), base[s.features]) in default
+    ]
+    assert pairs, "the sample holds no invariant kernel beside its default"
+    for s, d in pairs:
+        assert s.programs_per_sm == d.programs_per_sm and s.kv_buffers == d.kv_buffers, (s, d)
+        assert (s.k_load_bytes, s.v_load_bytes) == (d.k_load_bytes, d.v_load_bytes), (s, d)
+        assert s.shared_bytes == d.shared_bytes, (s, d)
+
+
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_mla_kernels_read_each_latent_row_once(stats, arch):
     """MLA's 576/512 entries, V read from K's tile (``V_IN_K``): the K/V loop copies 576 x elem

@@ -107,8 +107,8 @@ MAX_CONTRIBUTORS = MERGE_FANIN**2
 # merge tree's: a group's last holder loads at most 8 partials (MERGE_FANIN), a supergroup's last
 # group at most 8 values, so at the TP-8 rank shape at 4k (32 chunks, 32 programs) the invariant
 # chain is the default's (8 + 4 partials), and at 128k (1024 chunks over 64 programs) it is
-# 8 + 8 + 16 partials instead of the default's 8 + 8, where one level of 16-chunk groups loaded
-# 15 + 64. Workspace: one BLOCK_G x BLOCK_D fp32 value per group and per supergroup of each
+# 8 + 8 + 16 partials against the default's 8 + 8 (one level of 16-chunk groups would load
+# 15 + 64). Workspace: one BLOCK_G x BLOCK_D fp32 value per group and per supergroup of each
 # sequence's capacity and head unit (D=128 fp16: 8 KB per 1024 keys, which hold 512 KB of K and
 # V): 1.8% of the cache it covers.
 INVARIANT_GROUP_CHUNKS = 8
