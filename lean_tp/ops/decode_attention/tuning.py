@@ -103,16 +103,17 @@ MAX_CONTRIBUTORS = MERGE_FANIN**2
 
 # Batch-invariant mode (invariant.py): an output's chunks are folded in fixed groups of
 # INVARIANT_GROUP_CHUNKS, the groups' values in supergroups of INVARIANT_SUPER_GROUPS, and the
-# supergroups' values into the output, each level left to right. The levels mirror the default
-# merge tree's: a group's last holder loads at most 8 partials (MERGE_FANIN), a supergroup's last
-# group at most 8 values, so at the TP-8 rank shape at 4k (32 chunks, 32 programs) the invariant
-# chain is the default's (8 + 4 partials), and at 128k (1024 chunks over 64 programs) it is
-# 8 + 8 + 16 partials against the default's 8 + 8 (one level of 16-chunk groups would load
-# 15 + 64). Workspace: one BLOCK_G x BLOCK_D fp32 value per group and per supergroup of each
-# sequence's capacity and head unit (D=128 fp16: 8 KB per 1024 keys, which hold 512 KB of K and
-# V): 1.8% of the cache it covers.
+# supergroups' values into the output, each level left to right. Groups of 8 mirror the default
+# merge tree's fan-in (MERGE_FANIN): at the TP-8 rank shape at 4k (32 chunks, one per program) a
+# group's last holder loads 8 partials and the supergroup 4 values, as the default's two levels
+# do. Supergroups of 4 keep the middle level short where groups span two programs (16k: 4 chunks
+# a program), at the price of a longer last level at long context; in the simulator, the TP-8
+# rank shape (B=1, H100) takes 1.10x the default's time at 16k, 256k and 1M with 4, against
+# 1.15x, 1.06x and 1.05x with 8. Workspace: one BLOCK_G x BLOCK_D fp32 value per group and per
+# supergroup of each sequence's capacity and head unit (D=128 fp16: 8 KB per 1024 keys, which
+# hold 512 KB of K and V, and 8 KB per 4096): 2.0% of the cache it covers.
 INVARIANT_GROUP_CHUNKS = 8
-INVARIANT_SUPER_GROUPS = 8
+INVARIANT_SUPER_GROUPS = 4
 
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
