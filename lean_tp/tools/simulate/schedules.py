@@ -117,17 +117,12 @@ def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False)
     )
 
 
-def _in_flight_bytes(problem: Problem, gpu: GPUModel) -> int:
-    """K/V bytes one program (or CTA) keeps in flight: its pipeline's buffers ahead of compute."""
-    config = lean_variant(problem, gpu).config
-    return max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
-
-
 def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing the
     copy bandwidth in proportion. Every method gets this model."""
-    in_flight = _in_flight_bytes(problem, gpu)
+    config = lean_variant(problem, gpu).config
+    in_flight = max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
     share = min(1.0, gpu.hbm_tbps * 1e6 / max(sum(want), 1e-9))
     return [w * share for w in want]
