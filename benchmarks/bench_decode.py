@@ -195,12 +195,15 @@ class Timer:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Copy bandwidth in bytes/s (read + written), median of 20 copies of 1 GiB (64 MiB on CPU)."""
-    n = (1 << 30) if device.type == "cuda" else (64 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
+    """Copy bandwidth in bytes/s (read + written) of 1 GiB (64 MiB on CPU): the faster of a copy
+    (which a CUDA graph may hand to a copy engine) and an elementwise kernel that reads and writes
+    16-byte vectors on the SMs, as the kernels measured against it do; medians of 20."""
+    n = ((1 << 30) if device.type == "cuda" else (64 << 20)) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds, _ = Timer(device, 20)([lambda: dst.copy_(src)])
-    return 2 * n / seconds
+    timer = Timer(device, 20)
+    seconds = min(timer([lambda: dst.copy_(src)])[0], timer([lambda: torch.neg(src, out=dst)])[0])
+    return 2 * 4 * n / seconds
 
 
 def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes: int) -> list[dict] | None:

@@ -92,7 +92,17 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         steps.append(
             (
                 "pytest tests/gpu",
-                [py, "-m", "pytest", "tests/gpu", "-q", "-x", "-o", "addopts=-ra", f"--junitxml={out}/gpu.xml"],
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    "tests/gpu",
+                    "-q",
+                    "--maxfail=10",
+                    "-o",
+                    "addopts=-ra",
+                    f"--junitxml={out}/gpu.xml",
+                ],
                 300,
             )
         )
@@ -116,7 +126,7 @@ def run(name: str, cmd: list[str], out_dir: str, timeout: float) -> dict:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     start = time.time()
-    with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
+    with open(os.path.join(out_dir, name.replace("/", "_") + ".log"), "w") as log:
         try:
             rc = subprocess.run(
                 cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout

@@ -271,6 +271,41 @@ def test_no_recompilation_for_batch_heads_grid_strides_or_window():
         assert len({key for p, key in keys if p == family}) == 1, keys
 
 
+TRACED_COMPILE = """
+import json, torch, warnings
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from lean_tp.ops.decode_attention import Features, KernelVariant
+from lean_tp.ops.decode_attention.grid import compile_variant, example_args
+from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel as fn
+from lean_tp.ops.decode_attention.launch_args import check_launch_args
+from triton.runtime.jit import create_function_from_signature
+
+variant, target = KernelVariant("sm90", torch.float16, 64, 4, None, Features()), GPUTarget("cuda", 90, 32)
+# As when torch.compile traces the op before the grid size is cached; reading a fake tensor's data
+# pointer is an error on some torch versions, a warning on others.
+with FakeTensorMode(), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    compile_variant(variant, target)
+backend = make_backend(target)
+options = {**variant.compile_options(), "debug": False}
+bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(
+    **check_launch_args(fn, example_args(variant)), **options
+)
+opts, signature, constexprs, attrs = fn._pack_args(backend, options, bound, spec, opts)
+signature |= {"qk_scale": "fp64", "cap_log2": "fp64"}  # how Inductor types a user kernel's floats
+kernel = __import__("triton").compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+print(json.dumps(kernel.metadata.shared > 0))
+"""
+
+
+def test_kernel_compiles_as_torch_compile_launches_it():
+    """What only a GPU run under torch.compile reaches: the grid's compile of the call's variant
+    while fake tensors are in force, and a kernel whose float arguments Inductor types fp64."""
+    assert json.loads(_run(["-c", TRACED_COMPILE])) is True
+
+
 def test_launch_args_must_name_every_kernel_parameter():
     from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
     from lean_tp.ops.decode_attention.launch_args import check_launch_args

@@ -95,8 +95,11 @@ def test_counters_left_at_zero():
 def test_compile_fullgraph_cuda_sees_triton_kernel():
     inputs = make_inputs([3000, 0, 33], 32, 8, 128, torch.float16, "paged16", device="cuda", seed=4)
 
-    def step(q, k_cache, v_cache, cache_seqlens, block_table):
-        return lean_tp.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table) * 2
+    def step(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
+        out = lean_tp.decode_attention(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, cache_leftpad=cache_leftpad
+        )
+        return out * 2
 
     compiled = torch.compile(step, fullgraph=True)
     torch.testing.assert_close(compiled(**inputs), step(**inputs), atol=0, rtol=0)

@@ -84,6 +84,16 @@ def compile_as_launched(args: dict[str, Any], variant: KernelVariant, target: An
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def compile_variant(variant: KernelVariant, target: Any) -> Any:
+    """``compile_as_launched`` on ``example_args(variant)``, also while torch.compile traces the op:
+    the tracer's fake and functional tensor modes are set aside, since the JIT's binder reads the
+    example tensors' data pointers (plain meta tensors)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return compile_as_launched(example_args(variant), variant, target)
+
+
 def example_args(variant: KernelVariant, device: torch.device | str = "meta") -> dict[str, Any]:
     """Launch arguments of a typical call of ``variant`` (aligned, contiguous buffers; meta tensors
     by default).
@@ -151,7 +161,7 @@ def _programs_per_sm_on(index: int, variant: KernelVariant) -> int:
     from triton.runtime import driver
 
     with torch.cuda.device(index):
-        kernel = compile_as_launched(example_args(variant), variant, driver.active.get_current_target())
+        kernel = compile_variant(variant, driver.active.get_current_target())
         kernel._init_handles()
     config = variant.config
     occupancy = programs_per_sm(kernel.n_regs, kernel.metadata.shared, config.num_warps, SMLimits.of_device(index))

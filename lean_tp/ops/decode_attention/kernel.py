@@ -140,6 +140,10 @@ def decode_attention_fwd_kernel(
     num_pages: the paged pool's size; a key on a page id outside [0, num_pages) is never read and
     makes its sequence's output rows and lse NaN (``attend_segment``).
     """
+    # Inductor types a float argument of a user kernel fp64 where the JIT types it fp32; the
+    # scores and the loop-carried state stay fp32 either way.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_log2 = tl.cast(cap_log2, tl.float32)
     stride_qb = stride_qb // STRIDE_ALIGN * STRIDE_ALIGN
     stride_qt = stride_qt // STRIDE_ALIGN * STRIDE_ALIGN
     stride_qh = stride_qh // STRIDE_ALIGN * STRIDE_ALIGN

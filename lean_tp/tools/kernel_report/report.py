@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from lean_tp.ops.decode_attention import Features, KernelVariant
-from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_as_launched, example_args, programs_per_sm
+from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_variant, programs_per_sm
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for, paired_head_dim_v
 from lean_tp.tools.gpus import GPUS, GPUModel
 from lean_tp.tools.kernel_report.sass import (
@@ -151,7 +151,7 @@ def compile_stats(
     wanted = dataclasses.replace(FEATURES[features], leftpad=leftpad, v_in_k=head_dim_v is not None)
     config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8, head_dim_v), **dict(overrides))
     variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config, head_dim_v)
-    kernel = compile_as_launched(example_args(variant), variant, GPUTarget("cuda", int(arch[2:]), 32))
+    kernel = compile_variant(variant, GPUTarget("cuda", int(arch[2:]), 32))
     regs, stack, static_shared = resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + static_shared
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
