@@ -134,16 +134,47 @@ def test_the_same_bits_in_a_contiguous_cache_and_in_paged_caches_of_every_page_s
         assert_same_bits(run(dict(inputs, **pool, block_table=table), [0, 1], 7), want, f"page size {page}")
 
 
-@pytest.mark.parametrize("tq,tokens", [(4, [0, 3]), (16, [0, 15])])
-def test_a_token_verified_among_drafts_has_its_decode_bits(tq, tokens):
-    """Query token t of a Tq-token verification block (causal among the drafts) gives the bits of
-    decoding it alone at its position (Tq = 1, the keys up to and including it): a row's arithmetic
-    does not change with the rows beside it (Tq 16 with a group of 4: 64-row blocks against 16)."""
-    inputs = make_feature_inputs([270, 17], 8, 2, 64, torch.float16, "paged16", tq=tq, seed=tq)
-    out, lse = run(inputs, [0, 1], 7)
+def check_verified_tokens(inputs: dict, tokens, config=CONFIG) -> None:
+    """Query tokens ``tokens`` of a Tq-token verification block (causal among the drafts; 7
+    programs) have the bits of decoding each alone at its position (Tq = 1, the keys up to and
+    including it; 5 programs), and the block matches float64."""
+    n, tq = len(inputs["cache_seqlens"]), inputs["q"].shape[1]
+    out, lse = run(inputs, list(range(n)), 7, config=config)
+    atol = ATOL[inputs["q"].dtype] * (4 if inputs["k_cache"].dtype.itemsize == 1 else 1)
+    assert_matches_feature_ref(out, lse, select(inputs, list(range(n))), atol)
     for t in tokens:
-        alone = dict(inputs, q=inputs["q"][:, t], cache_seqlens=inputs["cache_seqlens"] - tq + t + 1)
-        assert_same_bits(run(alone, [0, 1], 7), (out[:, t], lse[:, t]), f"token {t} of {tq}")
+        seqlens = (inputs["cache_seqlens"] - (tq - 1 - t)).clamp(min=0)
+        alone = run(dict(inputs, q=inputs["q"][:, t], cache_seqlens=seqlens), list(range(n)), 5, config=config)
+        assert_same_bits(alone, (out[:, t], lse[:, t]), f"token {t} of {tq}")
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Every group's row block (1: 15 padding rows; 16: a full block), Tq 2 to 16, every cache layout
+# and page size, fp8 caches, and every feature (a window moves where a token's keys begin).
+VERIFY_CASES = {
+    "group1-tq2-contiguous": dict(hq=2, hkv=2, tq=2, layout="contiguous"),
+    "group4-tq4-paged16": dict(hq=8, hkv=2, tq=4, layout="paged16"),
+    "group8-tq16-paged1": dict(hq=8, hkv=1, tq=16, layout="paged1"),
+    "group16-tq3-paged64-e4m3": dict(hq=16, hkv=1, tq=3, layout="paged64", cache_dtype=E4M3, per_head_scale=True),
+    "group2-tq20-paged16": dict(hq=2, hkv=1, tq=20, layout="paged16"),  # past the default mode's Tq bound
+    "group3-tq5-e5m2-window-softcap-sinks-leftpad": dict(
+        hq=6, hkv=2, tq=5, cache_dtype=E5M2, window=40, softcap=12.0, sinks=True, leftpad=[3, 0, 9]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(VERIFY_CASES))
+def test_a_token_verified_among_drafts_has_its_decode_bits(case):
+    """Each query token's dots are those of its one-token decode (its group's rows in a block of
+    the decode's shape, the keys past it not in its tiles), so any matrix unit that gives equal
+    results for equal operands gives it its decode bits."""
+    kw = dict(VERIFY_CASES[case])
+    tq, hq, hkv = kw.pop("tq"), kw.pop("hq"), kw.pop("hkv")
+    lens = (
+        [270, 17, tq] if "leftpad" in kw else [270, 17, tq - 1]
+    )  # one shorter than the block: its first tokens see nothing
+    inputs = make_feature_inputs(lens, hq, hkv, 64, torch.float16, tq=tq, seed=tq + hq, **kw)
+    check_verified_tokens(inputs, range(tq) if tq <= 5 else (0, 7, tq - 1))
 
 
 CASES = {
@@ -174,9 +205,12 @@ def test_supergroups_and_chunks_of_several_key_blocks():
 
 
 def test_gqa_and_two_row_blocks():
-    """Group 4 x Tq 16 = 64 rows: two row blocks per KV head (head units), two KV heads."""
-    inputs = make_feature_inputs([0, 17, 300, 530], 8, 2, 32, torch.bfloat16, tq=16, seed=22)
-    check_invariance(inputs, batches=2, seed=3)
+    """Group 24 in row blocks of 16: two row blocks per KV head (head units), two KV heads, and a
+    2-token verification (each token its own schedule sequence with two head units)."""
+    config = dataclasses.replace(CONFIG, max_block_g=16)
+    inputs = make_feature_inputs([0, 17, 150, 290], 48, 2, 32, torch.bfloat16, tq=2, seed=22)
+    assert plan_decode(**select(inputs, [0]), batch_invariant=True, config=config).kernel.row_blocks == 2
+    check_invariance(inputs, batches=2, seed=3, config=config)
 
 
 def test_in_batches_of_up_to_64():

@@ -211,8 +211,9 @@ BAD_CALLS = {
     "too many tokens": (
         dict(q=torch.randn(2, MAX_QUERY_TOKENS + 1, 8, 64).half()),
         ValueError,
-        rf"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} query tokens",
+        rf"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} \(batch_invariant=True takes any Tq\) query tokens",
     ),
+    "no tokens": (dict(q=torch.randn(2, 0, 8, 64).half(), batch_invariant=True), ValueError, "q: expected Tq >= 1"),
     "q with 5 dims": (dict(q=torch.randn(2, 1, 1, 8, 64).half()), ValueError, "q: expected 3 dims .* or 4 dims"),
 }
 

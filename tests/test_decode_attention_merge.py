@@ -44,7 +44,7 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
 
 
-def run(inputs: dict, num_programs: int):
+def run(inputs: dict, num_programs: int, batch_invariant: bool = False):
     """(out, lse, counters) of one launch with NaN-filled out, lse and workspace."""
     q = inputs["q"]
     scales = {
@@ -53,7 +53,7 @@ def run(inputs: dict, num_programs: int):
         if (v := inputs.get(k)) is not None
     }
     call = {**inputs, **scales, "softmax_scale": q.shape[-1] ** -0.5}
-    plan = plan_decode(**call, num_programs=num_programs, config=CONFIG)
+    plan = plan_decode(**call, num_programs=num_programs, config=CONFIG, batch_invariant=batch_invariant)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
     out, lse = decode_attention_fwd(
@@ -138,10 +138,17 @@ def arrival_order(monkeypatch):
     return order
 
 
-def test_result_does_not_depend_on_arrival_order(arrival_order):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+def test_result_does_not_depend_on_arrival_order(arrival_order, batch_invariant):
     """The same launch with programs arriving in grid order, reversed, and shuffled: every
-    merge is done by a different program each time, and out and lse are bitwise equal."""
-    inputs = make_feature_inputs([WHOLE_GRID // 2 - 5, 40, 0, 300], 8, 2, 64, torch.float32, "contiguous", tq=2, seed=5)
+    merge (every fold, in the batch-invariant mode) is done by a different program each time,
+    and out and lse are bitwise equal."""
+    # Two query tokens in the default mode (the merge of multi-token rows); the invariant mode folds
+    # each token's output alone, so one token shows its folds.
+    tq = 1 if batch_invariant else 2
+    inputs = make_feature_inputs(
+        [WHOLE_GRID // 2 - 5, 40, 0, 300], 8, 2, 64, torch.float32, "contiguous", tq=tq, seed=5
+    )
     num_programs = 32
     results = []
     for perm in (
@@ -150,7 +157,7 @@ def test_result_does_not_depend_on_arrival_order(arrival_order):
         random.Random(0).sample(range(num_programs), num_programs),
     ):
         arrival_order[:] = perm
-        out, lse, counters = run(inputs, num_programs)
+        out, lse, counters = run(inputs, num_programs, batch_invariant)
         assert (counters == 0).all()
         results.append((out, lse))
     assert_matches_feature_ref(*results[0], inputs, ATOL[torch.float32])

@@ -122,6 +122,27 @@ def test_decode_attention_kernel_mla_batch_invariant():
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize(
+    "group, layout, fp8",
+    [(16, "paged16", False), (64, "contiguous", False), (128, "paged64", True)],
+    ids=["tp8-deepseek", "dp-kimi", "dp-deepseek-fp8"],
+)
+def test_an_mla_token_verified_among_drafts_has_its_decode_bits(group, layout, fp8):
+    """MTP's verification (Tq 2) in the batch-invariant mode at DeepSeek's 16 heads a rank (TP 8)
+    and 128 (DP attention: 8 row blocks a token), Kimi-K2's 64, and an e4m3 latent cache: each
+    token has the bits of its one-token decode, and the block matches float64."""
+    from test_decode_attention_batch_invariant import check_verified_tokens
+
+    lens = [TILE + 7, 2, 1]
+    inputs = _mla_inputs(layout, group, torch.bfloat16, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs["q"] = torch.randn(len(lens), 2, group, KERNEL_DQK).bfloat16()
+    if fp8:
+        latent = (inputs["k_cache"].float() * 8).to(torch.float8_e4m3fn)
+        inputs.update(k_cache=latent, v_cache=latent[..., :KERNEL_DV], k_scale=0.125, v_scale=torch.tensor([0.125]))
+    inputs.update(softcap=None, window=None, sinks=None)
+    check_verified_tokens(inputs, (0, 1), config=None)
+
+
 def test_decode_attention_mla_bad_input():
     """A v_cache neither of K's layout nor narrower than K, a pair without a tuning entry on the
     Triton backend, and a wrong fp8 scale shape: ValueError naming the argument."""

@@ -1,7 +1,8 @@
 """No block-table value reads outside the pool: a page id outside [0, num_pages) in a column a
 sequence reads makes that sequence's rows NaN (out and lse) and leaves every other sequence exact;
 columns no key is read from (past the length, before the left padding, before the window) are
-never read, whatever they hold.
+never read, whatever they hold. In the batch-invariant mode each query token is decoded over its
+own keys, and the rows NaN are those of the tokens whose keys lie on such a page.
 
 The edge ids run in a subprocess each (``page_id_worker.py``): before the rule, the interpreter
 segfaulted on them, which a test in this process could not report. The feature cases run here.
@@ -88,9 +89,48 @@ def test_bad_page_id_with_features(case):
     config = get_config(inputs["q"].device, head_dim, dtype, inputs["k_cache"].dtype)
     if block_n is not None:
         config = dataclasses.replace(config, block_n=block_n)
-    for invariant in (False, True):
-        out, lse = run(inputs, "triton", batch_invariant=invariant, num_programs=3, config=config)
-        check_poisoned(out, lse, inputs, [bad], healthy)
+    out, lse = run(inputs, "triton", num_programs=3, config=config)
+    check_poisoned(out, lse, inputs, [bad], healthy)
+    out, lse = run(inputs, "triton", batch_invariant=True, num_programs=3, config=config)
+    reading = _tokens_reading(inputs, bad, features.get("window"))
+    # The invariant mode decodes each query token over its own keys: the tokens whose keys hold
+    # the bad id are NaN, and the others have the bits of their one-token decode.
+    tq = inputs["q"].shape[1] if inputs["q"].dim() == 4 else 1
+    # The first, middle and last tokens, and the first and last whose keys hold the bad id.
+    for t in sorted({0, tq // 2, tq - 1} | ({min(reading), max(reading)} if reading else set())):
+        token = _token_call(inputs, t)
+        want = run(token, "triton", batch_invariant=True, num_programs=5, config=config)
+        if t in reading:
+            check_poisoned(*want, token, [bad], healthy)
+        else:
+            assert not want[0][bad].isnan().any() and not want[1][bad].isnan().any()
+        got = (out[:, t], lse[:, t]) if inputs["q"].dim() == 4 else (out, lse)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=f"token {t}")
+
+
+def _token_call(inputs: dict, t: int) -> dict:
+    """Query token t of a Tq-token call as a one-token call: its q, the keys up to its own."""
+    if inputs["q"].dim() == 3:
+        return inputs
+    tq = inputs["q"].shape[1]
+    return dict(inputs, q=inputs["q"][:, t], cache_seqlens=inputs["cache_seqlens"] - (tq - 1 - t))
+
+
+def _tokens_reading(inputs: dict, b: int, window: int | None) -> set[int]:
+    """Query tokens of sequence b whose keys lie on a page with an id outside the pool."""
+    page, num_pages = inputs["k_cache"].shape[1], inputs["k_cache"].shape[0]
+    tq = inputs["q"].shape[1] if inputs["q"].dim() == 4 else 1
+    pads = inputs.get("cache_leftpad")
+    start = int(pads[b]) if pads is not None else 0
+    found = set()
+    for t in range(tq):
+        end = int(inputs["cache_seqlens"][b]) - (tq - 1 - t)
+        lo = max(start, end - window) if window else start
+        ids = inputs["block_table"][b, lo // page : -(-end // page)] if end > lo else torch.empty(0)
+        if ((ids < 0) | (ids >= num_pages)).any():
+            found.add(t)
+    return found
 
 
 def test_a_pool_of_one_page_and_ids_past_it():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
-from lean_tp.tools.kernel_report import FEATURES, LAYOUTS, KernelStats, report_group, to_markdown
+from lean_tp.tools.kernel_report import FEATURES, INVARIANT_BASE, LAYOUTS, KernelStats, report_group, to_markdown
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
@@ -183,21 +183,22 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
 
 def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
     """The batch-invariant variants (one K/V loop per segment, whose chunk ends fold or store
-    states) keep the programs per SM, K/V buffers and load widths of the same kernel in the
-    default mode, and store no chunk through shared memory (no more than the default's)."""
+    states; a verification's tokens each a sequence of its own) have no K/V-loop spill, at least
+    the programs per SM of the same kernel in the default mode, its load widths, at least 2 K/V
+    buffers and no more shared memory (no chunk is stored through shared memory)."""
     key = lambda s: (s.arch, s.head_dim, s.dtype, s.layout, s.group, s.leftpad)  # noqa: E731
     default = {(key(s), s.features): s for s in stats}
-    base = {"invariant": "", "all_invariant": "all"}
     pairs = [
-        (s, default[key(s), base[s.features]])
+        (s, default[key(s), INVARIANT_BASE[s.features]])
         for s in stats
-        if s.features in base and (key(s), base[s.features]) in default
+        if s.features in INVARIANT_BASE and (key(s), INVARIANT_BASE[s.features]) in default
     ]
-    assert pairs, "the sample holds no invariant kernel beside its default"
+    assert {s.features for s, _ in pairs} == set(INVARIANT_BASE), "the sample lacks an invariant kernel's pair"
     for s, d in pairs:
-        assert s.programs_per_sm == d.programs_per_sm and s.kv_buffers == d.kv_buffers, (s, d)
+        assert s.loop_spills == 0 and s.programs_per_sm >= d.programs_per_sm, (s, d)
+        assert s.kv_buffers >= 2, (s, d)
         assert (s.k_load_bytes, s.v_load_bytes) == (d.k_load_bytes, d.v_load_bytes), (s, d)
-        assert s.shared_bytes == d.shared_bytes, (s, d)
+        assert s.shared_bytes <= d.shared_bytes, (s, d)
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])

@@ -21,11 +21,18 @@ from lean_tp.ops.utils import FLOAT_DTYPES, interpreted, require_tensor
 BACKENDS = ("auto", "triton", "torch")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Query tokens per sequence (speculative decoding, multi-token prediction): Tq x group rows share
-# each K/V tile, so a bound keeps the row block within what one program holds.
+# each K/V tile, so a bound keeps the row block within what one program holds. The batch-invariant
+# mode decodes each query token as a sequence of its own and takes any Tq.
 MAX_QUERY_TOKENS = 16
 # The shortest page a cache passed without block_table is taken to be a paged pool by, for the
 # error's hint: the page size vLLM and FlashInfer allocate by default.
 HINT_PAGE_SIZE = 16
+
+
+def max_query_tokens(batch_invariant: bool) -> int | float:
+    """Most query tokens a sequence may have in a call: ``MAX_QUERY_TOKENS``, or any number in the
+    batch-invariant mode, which schedules each token as a sequence of its own."""
+    return math.inf if batch_invariant else MAX_QUERY_TOKENS
 
 
 def is_page_size(n: int) -> bool:
@@ -72,11 +79,13 @@ def check_inputs(
     softmax_scale: float | None = None,
     *,
     values: bool = True,
+    batch_invariant: bool = False,
 ) -> CacheLayout:
     """Raise ``TypeError``/``ValueError`` naming the argument for any malformed call (fp8 scales
     as the op sees them: (Hkv,) or (1,) float32 tensors); return the cache's layout. ``values``: with ``LEAN_TP_DEBUG=1``,
     also check lengths and page indices against this cache (False where the lengths are not this
-    cache's, as context parallelism's global lengths)."""
+    cache's, as context parallelism's global lengths). ``batch_invariant``: the call's mode, which
+    takes any number of query tokens (``max_query_tokens``)."""
     if not (isinstance(backend, str) and backend in BACKENDS):
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     require_tensor("q", q)
@@ -85,8 +94,9 @@ def check_inputs(
     if q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-    if q.dim() == 4 and not 1 <= q.shape[1] <= MAX_QUERY_TOKENS:
-        raise ValueError(f"q: expected 1 <= Tq <= {MAX_QUERY_TOKENS} query tokens (dim 1), got shape {tuple(q.shape)}")
+    if q.dim() == 4 and not 1 <= q.shape[1] <= max_query_tokens(batch_invariant):
+        bound = "Tq >= 1" if batch_invariant else f"1 <= Tq <= {MAX_QUERY_TOKENS} (batch_invariant=True takes any Tq)"
+        raise ValueError(f"q: expected {bound} query tokens (dim 1), got shape {tuple(q.shape)}")
     paged = block_table is not None
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, cache, 4, SHAPES[paged])

@@ -31,17 +31,18 @@ def fold_pair(acc1, m1, l1, acc2, m2, l2):
 
 
 @triton.jit
-def _store_in_place(p, x, mask):
-    """tl.store(p, x, mask) of fp32 x from the threads that hold x, in x's layout: a tl.store
-    converts x to a coalesced layout through shared memory, whose buffer inside the K/V loop comes
-    on top of the pipeline's (a program per SM on sm_90 D=128)."""
+def _store_in_place(p, x):
+    """tl.store(p, x) of fp32 x from the threads that hold x, in x's layout: a tl.store converts x
+    to a coalesced layout through shared memory, whose buffer inside the K/V loop comes on top of
+    the pipeline's (a program per SM on sm_90 D=128). No mask: a per-element predicate held
+    across the K/V loop costs registers (spills on sm_90 D=128)."""
     if INTERPRETED:
-        tl.store(p, x, mask=mask)
+        tl.store(p, x)
     else:
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,f,r",
-            [p.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+            "{ st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f",
+            [p.to(tl.int64, bitcast=True), x],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -49,16 +50,15 @@ def _store_in_place(p, x, mask):
 
 
 @triton.jit
-def _store_chunk(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``merge.store_partial`` from inside the K/V loop (``_store_in_place``)."""
+def _store_chunk(ws_acc_ptr, ws_ml_ptr, o_slot, b_acc, b_m, b_l, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``merge.store_partial`` from inside the K/V loop (``_store_in_place``), of all BLOCK_G rows:
+    the slot holds them, and its readers take rows [0, n_rows) alone (``merge.load_partial``)."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    m_g = o_g < n_rows
     o_slot = tl.cast(o_slot, tl.int64)
-    p_acc = ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :]
-    _store_in_place(p_acc, b_acc, m_g[:, None] & (o_d < BLOCK_D)[None, :])
-    _store_in_place(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m, m_g)
-    _store_in_place(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l, m_g)
+    _store_in_place(ws_acc_ptr + (o_slot * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], b_acc)
+    _store_in_place(ws_ml_ptr + o_slot * 2 * BLOCK_G + o_g, b_m)
+    _store_in_place(ws_ml_ptr + (o_slot * 2 + 1) * BLOCK_G + o_g, b_l)
 
 
 @triton.jit
@@ -73,8 +73,7 @@ def attend_chunks(
     lead_slot0,
     group_slot0,
     c_lead,
-    in_registers,
-    n_rows,
+    whole,
     b,
     h_kv,
     n_base,
@@ -116,16 +115,19 @@ def attend_chunks(
     chunk's end or the span's), each attended from a fresh state, its acc multiplied by v_scale
     (with HAS_SCALES). Chunks before chunk c_lead go one by one to workspace slots lead_slot0 + i
     (the i-th chunk of the range); the rest are folded left to right in groups of IGROUP (on the
-    span's chunk grid), and each group completed here is folded into the returned o (with
-    in_registers) or written to slot group_slot0 + its index. Returns (o, g, bad): g the fold of
-    the chunks after the last group end (a group the range ends inside), bad whether a page id of
-    the range lies outside the pool (``attend_segment``; the caller poisons what was written).
+    span's chunk grid), and each group completed here is written to slot group_slot0 + its index,
+    except, with ``whole`` (the range holds the whole output), the output's last group, which
+    is returned. Returns (g, bad): g the fold of the chunks after the last group written (a group
+    the range ends inside, or that last group), bad whether a page id of the range lies outside
+    the pool (``attend_segment``; the caller poisons what was written).
 
     One K/V loop covers every chunk and group, and their ends only move states (registers, or a
     store from the registers that hold them), so the pipeliner's copies of the next keys are in
-    flight across them: the pipeline fills once per call, as in the default mode. A chunk's
-    operations are those of ``attend_segment`` over it, wherever the range begins."""
-    o_acc, o_m, o_l = empty_state(BLOCK_G, BLOCK_D)
+    flight across them: the pipeline fills once per call, as in the default mode. The loop holds
+    two states, the chunk's and the group's (the output's fold of its groups reads them from the
+    workspace after the loop: ``invariant.attend_invariant``), which keeps the invariant kernel in
+    the default kernel's registers. A chunk's operations are those of ``attend_segment`` over it,
+    wherever the range begins."""
     g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
     c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -178,7 +180,6 @@ def attend_chunks(
                     ws_acc_ptr,
                     ws_ml_ptr,
                     lead_slot0 + chunk - n_lo // TILE_N,
-                    n_rows,
                     c_acc,
                     c_m,
                     c_l,
@@ -187,24 +188,21 @@ def attend_chunks(
                 )
             else:
                 g_acc, g_m, g_l = fold_pair(g_acc, g_m, g_l, c_acc, c_m, c_l)
-                if ((chunk + 1) % IGROUP == 0) | (n0 + BLOCK_N >= span):  # and its group
-                    if in_registers:
-                        o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
-                    else:
-                        _store_chunk(
-                            ws_acc_ptr,
-                            ws_ml_ptr,
-                            group_slot0 + chunk // IGROUP,
-                            n_rows,
-                            g_acc,
-                            g_m,
-                            g_l,
-                            BLOCK_D,
-                            BLOCK_G,
-                        )
+                last = n0 + BLOCK_N >= span
+                if (((chunk + 1) % IGROUP == 0) | last) & ~(whole & last):  # and its group
+                    _store_chunk(
+                        ws_acc_ptr,
+                        ws_ml_ptr,
+                        group_slot0 + chunk // IGROUP,
+                        g_acc,
+                        g_m,
+                        g_l,
+                        BLOCK_D,
+                        BLOCK_G,
+                    )
                     g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
             c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
     bad = False
     if PAGED:
         bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)
-    return o_acc, o_m, o_l, g_acc, g_m, g_l, bad
+    return g_acc, g_m, g_l, bad

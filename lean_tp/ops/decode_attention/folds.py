@@ -17,7 +17,7 @@ def out_slots(max_groups, ISUPER: tl.constexpr):
 
 
 @triton.jit
-def _fold_slots(
+def fold_slots(
     ws_acc_ptr, ws_ml_ptr, slot0, n, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, WAVE: tl.constexpr
 ):
     """Fold the values in slots [slot0, slot0 + n), left to right, WAVE at a time: a wave's loads
@@ -90,7 +90,7 @@ def group_known(
         if single & held:
             acc, m, l = g_acc, g_m, g_l
         else:
-            acc, m, l = _fold_slots(ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, BLOCK_D, BLOCK_G, WAVE)
+            acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, BLOCK_D, BLOCK_G, WAVE)
         n_supers = cdiv(n_groups, ISUPER)
         done = n_supers == 1
         if n_supers > 1:
@@ -106,7 +106,7 @@ def group_known(
                 s == n_supers - 1,
             )
             if done:
-                acc, m, l = _fold_slots(
+                acc, m, l = fold_slots(
                     ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, BLOCK_D, BLOCK_G, WAVE
                 )
     return done, acc, m, l
@@ -131,7 +131,7 @@ def _fold_group(
     p = program_of_tile(g0, total, n_active)
     acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, BLOCK_D, BLOCK_G)
     for t0 in range(program_start(p + 1, total, n_active), g1, WAVE):
-        for w in tl.static_range(WAVE):  # a wave of chunks, as in _fold_slots
+        for w in tl.static_range(WAVE):  # a wave of chunks, as in fold_slots
             t = t0 + w
             holder = program_of_tile(t, total, n_active)
             o_slot = holder * IGROUP + t - program_start(holder, total, n_active)

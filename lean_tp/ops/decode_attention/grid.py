@@ -164,7 +164,7 @@ def _programs_per_sm_on(index: int, variant: KernelVariant) -> int:
         kernel = compile_variant(variant, driver.active.get_current_target())
         kernel._init_handles()
     config = variant.config
-    occupancy = programs_per_sm(kernel.n_regs, kernel.metadata.shared, config.num_warps, SMLimits.of_device(index))
+    occupancy = programs_per_sm(kernel.n_regs, kernel.metadata.shared, variant.num_warps, SMLimits.of_device(index))
     return max(1, min(occupancy, config.max_programs_per_sm))
 
 

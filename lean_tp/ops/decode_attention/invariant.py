@@ -16,9 +16,10 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   a group that began in an earlier program (at most IGROUP - 1 of them, all at the range's start);
 - ``p * IGROUP + IGROUP - 1``: the fold of the chunks program p holds of the group its range ends
   in, when that group began inside the range and goes on past it;
-- from ``num_programs * IGROUP + (b * HU + hu) * out_slots(max_groups)``: the output's group k's
-  value at + k, supergroup s's at + max_groups + s (an output of one supergroup that one program
-  holds folds its groups in registers).
+- from ``num_programs * IGROUP + (s * HU + hu) * out_slots(max_groups)`` (s the schedule's
+  sequence, schedule.py): the output's group k's value at + k, supergroup s's at + max_groups + s
+  (an output of one supergroup that one program holds keeps its last group in registers, and
+  that program folds the others from their slots).
 Counters: a split group's at its first holder p, a split output's at num_programs + its first
 holder, a split supergroup's at 2 num_programs + its first holder (a program's range ends in at
 most one group, supergroup and output that go on past it). A supergroup or output that one
@@ -28,8 +29,8 @@ program holds needs none: its values are known in order, in that program.
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.chunks import attend_chunks
-from lean_tp.ops.decode_attention.folds import finish_group, group_known, out_slots
+from lean_tp.ops.decode_attention.chunks import attend_chunks, empty_state, fold_pair
+from lean_tp.ops.decode_attention.folds import finish_group, fold_slots, group_known, out_slots
 from lean_tp.ops.decode_attention.merge import store_partial
 from lean_tp.ops.decode_attention.schedule import cdiv
 
@@ -44,6 +45,7 @@ def attend_invariant(
     ws_acc_ptr,
     ws_ml_ptr,
     counter_ptr,
+    s,
     b,
     hu,
     h_kv,
@@ -93,17 +95,18 @@ def attend_invariant(
     V_IN_K: tl.constexpr,
     WAVE: tl.constexpr,
 ):
-    """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of an output of
-    n_tiles chunks; n_rows real rows): each chunk attended from a fresh state and folded as this
-    module's docstring fixes. Returns (whether this program finishes the output, and its state when it does)."""
-    # An output of one supergroup that this program holds whole folds its groups in registers.
-    in_registers = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
+    """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of the output of head
+    unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
+    real rows): each chunk attended from a fresh state and folded as this module's docstring
+    fixes. Returns (whether this program finishes the output, and its state when it does)."""
+    # An output of one supergroup that this program holds whole is folded by it, with no count.
+    whole = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
     stop = tile + seg_n
     # Chunks [tile, lead_end) finish a group that an earlier program began: published one by one.
     lead_end = tl.minimum(cdiv(tile, IGROUP) * IGROUP, stop)
     # int32: the slots number fewer than the batch's tiles (``plan.check_tile_count``).
-    slot0 = num_programs * IGROUP + (b * HU + hu) * out_slots(max_groups, ISUPER)
-    o_acc, o_m, o_l, g_acc, g_m, g_l, bad = attend_chunks(
+    slot0 = num_programs * IGROUP + (s * HU + hu) * out_slots(max_groups, ISUPER)
+    g_acc, g_m, g_l, bad = attend_chunks(
         b_q,
         b_qt,
         k_ptr,
@@ -114,8 +117,7 @@ def attend_invariant(
         pid * IGROUP,
         slot0,
         lead_end,
-        in_registers,
-        n_rows,
+        whole,
         b,
         h_kv,
         n_base,
@@ -153,17 +155,24 @@ def attend_invariant(
         V_IN_K,
         HAS_SCALES,
     )
-    # The groups that began and ended in the range: their values are in their slots (or in o).
+    # The groups that began and ended in the range: their values are in their slots (the output's
+    # last in g when the range holds the whole output).
     k_lo = cdiv(lead_end, IGROUP)
     k_hi = tl.where(stop == n_tiles, cdiv(n_tiles, IGROUP), stop // IGROUP)
     if bad:  # poison every value the range wrote or holds (``attend_segment``)
-        o_acc, o_l, g_acc, g_l = _nan_like(o_acc, o_l, g_acc, g_l)
+        g_acc = tl.full(g_acc.shape, float("nan"), tl.float32)
+        g_l = tl.full(g_l.shape, float("nan"), tl.float32)
         for i in range(0, lead_end - tile):
             store_partial(ws_acc_ptr, ws_ml_ptr, pid * IGROUP + i, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
         for k in range(k_lo, k_hi):
             store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
-    done = in_registers
-    if ~in_registers:
+    o_acc, o_m, o_l = empty_state(BLOCK_G, BLOCK_D)
+    done = whole
+    if whole:
+        tl.debug_barrier()  # the group values this program's threads stored, before its loads of them
+        o_acc, o_m, o_l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0, k_hi - 1, n_rows, BLOCK_D, BLOCK_G, WAVE)
+        o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
+    else:
         for k in range(k_lo, k_hi):
             fin, f_acc, f_m, f_l = group_known(
                 ws_acc_ptr,
@@ -234,18 +243,6 @@ def attend_invariant(
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
     return done, o_acc, o_m, o_l
-
-
-@triton.jit
-def _nan_like(o_acc, o_l, g_acc, g_l):
-    """NaN in place of the accs and ls: a state that poisons every fold it enters."""
-    nan = float("nan")
-    return (
-        tl.full(o_acc.shape, nan, tl.float32),
-        tl.full(o_l.shape, nan, tl.float32),
-        tl.full(g_acc.shape, nan, tl.float32),
-        tl.full(g_l.shape, nan, tl.float32),
-    )
 
 
 @triton.jit

@@ -4,8 +4,10 @@ One persistent program walks its range of the schedule (schedule.py), computes e
 partial with the K/V loop (attend.py) and merges split outputs (merge.py; invariant.py in the
 batch-invariant mode). The LSE is kept in the log2 domain until it is stored.
 
-A head unit's rows (rows.py) are the Tq query tokens x the GQA group of one KV head, padded to
-BLOCK_G; head dims that are not a power of two are padded to BLOCK_D with masked loads.
+A head unit's rows (rows.py) are the query tokens x the GQA group of one KV head, padded to
+BLOCK_G; head dims that are not a power of two are padded to BLOCK_D with masked loads. In the
+batch-invariant mode a Tq-token call is scheduled as Tq one-token decodes (SEQ_TOKENS = TQ, each
+token over the keys up to its own: docs/design.md), so a token's bits are its decode's.
 """
 
 import triton
@@ -120,6 +122,7 @@ def decode_attention_fwd_kernel(
     INVARIANT: tl.constexpr,
     IGROUP: tl.constexpr,
     ISUPER: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
 ):
     """One persistent program of the stream-K grid; see schedule.py for the tile order.
 
@@ -139,6 +142,9 @@ def decode_attention_fwd_kernel(
     max_groups.
     num_pages: the paged pool's size; a key on a page id outside [0, num_pages) is never read and
     makes its sequence's output rows and lse NaN (``attend_segment``).
+    SEQ_TOKENS: the call's sequences are scheduled whole (1), or each of their TQ query tokens as a
+    sequence of its own (TQ; schedule.py): B * SEQ_TOKENS schedule sequences, whose head units
+    hold TQ // SEQ_TOKENS tokens' rows.
     """
     # Inductor types a float argument of a user kernel fp64 where the JIT types it fp32; the
     # scores and the loop-carried state stay fp32 either way.
@@ -158,15 +164,18 @@ def decode_attention_fwd_kernel(
     # Blocks start at multiples of BLOCK_N (tile_n is one; without left padding or a window the keys
     # start at position 0), so pages of BLOCK_N keys or more hold whole blocks: one page id a block.
     BLOCK_IN_PAGE: tl.constexpr = PAGED and PAGE_SIZE >= BLOCK_N and not HAS_LEFTPAD and not HAS_WINDOW
+    ROWS_TQ: tl.constexpr = TQ // SEQ_TOKENS  # query tokens in a head unit's rows
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
-    b_cum, total, unit_max = scan_batch(seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    NS = B * SEQ_TOKENS
+    b_cum, total, unit_max = scan_batch(seqlens_ptr, NS, HU, max_span, TILE_N, BLOCK_B)
     n_active = num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
     t0 = program_start(pid, total, n_active)
     t1 = tl.where(pid < n_active, program_start(pid + 1, total, n_active), t0)
     # The first segment is placed by one search; each later one is the next head unit, whose
     # place, base and q are requested before the current segment's result is stored or merged.
-    b, hu, tile, seq_len = locate(t0, b_cum, seqlens_ptr, B, HU, max_span, TILE_N, BLOCK_B)
+    # b is a schedule sequence; the call's sequence (cache row, left padding) is b // SEQ_TOKENS.
+    b, hu, tile, seq_len = locate(t0, b_cum, seqlens_ptr, NS, HU, max_span, TILE_N, BLOCK_B)
     b_q, b_qt = load_q(
         q_ptr,
         b,
@@ -177,6 +186,7 @@ def decode_attention_fwd_kernel(
         stride_qh,
         GROUP,
         TQ,
+        SEQ_TOKENS,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_G,
@@ -184,7 +194,7 @@ def decode_attention_fwd_kernel(
         HEAD_DIM_T,
         BLOCK_DT,
     )
-    n_base = seq_base(leftpad_ptr, b, t0 < t1, HAS_LEFTPAD)
+    n_base = seq_base(leftpad_ptr, b // SEQ_TOKENS, t0 < t1, HAS_LEFTPAD)
     t = t0
     slot = 0  # workspace slot of this segment's partial: 0 for the program's first segment, else 1
     while t < t1:
@@ -193,9 +203,9 @@ def decode_attention_fwd_kernel(
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
         h_kv = hu // NUM_GC
-        b_lo, b_hi = row_bounds(hu, span, window, GROUP, TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
+        b_lo, b_hi = row_bounds(hu, span, window, GROUP, ROWS_TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
         k_scale = kv_scale(k_scale_ptr, h_kv, stride_ks, HAS_SCALES, E4M3_BITS)
-        n_rows = tl.minimum(TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
+        n_rows = tl.minimum(ROWS_TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
         if INVARIANT:
             do_store, b_acc, b_m, b_l = attend_invariant(
                 b_q,
@@ -207,6 +217,7 @@ def decode_attention_fwd_kernel(
                 ws_ml_ptr,
                 counter_ptr,
                 b,
+                b // SEQ_TOKENS,
                 hu,
                 h_kv,
                 n_base + seq_len - span,
@@ -235,7 +246,7 @@ def decode_attention_fwd_kernel(
                 stride_vh,
                 stride_bt,
                 num_pages,
-                TQ,
+                ROWS_TQ,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_G,
@@ -262,7 +273,7 @@ def decode_attention_fwd_kernel(
                 k_ptr,
                 v_ptr,
                 bt_ptr,
-                b,
+                b // SEQ_TOKENS,
                 h_kv,
                 n_base + seq_len - span,
                 tile * TILE_N,
@@ -286,7 +297,7 @@ def decode_attention_fwd_kernel(
                 PAGED,
                 PAGE_SIZE,
                 DOT_PRECISION,
-                TQ > 1,
+                ROWS_TQ > 1,
                 SOFTCAP,
                 E4M3_BITS,
                 BLOCK_IN_PAGE,
@@ -296,7 +307,7 @@ def decode_attention_fwd_kernel(
             )
             if HAS_SCALES:
                 b_acc = b_acc * kv_scale(v_scale_ptr, h_kv, stride_vs, HAS_SCALES, E4M3_BITS)
-        nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, seg_end < t1)
+        nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, NS, HU, seg_end < t1)
         b_q, b_qt = load_q(
             q_ptr,
             nb,
@@ -307,6 +318,7 @@ def decode_attention_fwd_kernel(
             stride_qh,
             GROUP,
             TQ,
+            SEQ_TOKENS,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_G,
@@ -314,7 +326,7 @@ def decode_attention_fwd_kernel(
             HEAD_DIM_T,
             BLOCK_DT,
         )
-        n_base_next = seq_base(leftpad_ptr, nb, seg_end < t1, HAS_LEFTPAD)
+        n_base_next = seq_base(leftpad_ptr, nb // SEQ_TOKENS, seg_end < t1, HAS_LEFTPAD)
         if not INVARIANT:
             do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
             if not do_store:
@@ -351,6 +363,7 @@ def decode_attention_fwd_kernel(
                 HKV * GROUP,
                 GROUP,
                 TQ,
+                SEQ_TOKENS,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_G,
@@ -366,10 +379,11 @@ def decode_attention_fwd_kernel(
         out_ptr,
         lse_ptr,
         sinks_ptr,
-        B,
+        NS,
         HKV,
         GROUP,
         TQ,
+        SEQ_TOKENS,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_G,

@@ -85,6 +85,8 @@ def launch_args(
     # padding only shifts where the keys are read.
     start, end = valid_keys(cache_seqlens, cache_leftpad, layout.capacity)
     lengths = end - start if start is not None else end
+    if constexprs["SEQ_TOKENS"] > 1:
+        lengths = token_lengths(lengths, constexprs["SEQ_TOKENS"])
     # Scores in the log2 domain; with a softcap, the argument of the exp2 form of tanh (attend.py).
     log2_scale = softmax_scale * math.log2(math.e)
     placeholder = lengths  # passed for pointers the variant never reads
@@ -133,6 +135,15 @@ def launch_args(
         **constexprs,
     }
     return check_launch_args(decode_attention_fwd_kernel, args)
+
+
+def token_lengths(lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """(B * num_tokens,) int32: the keys each query token sees when it is scheduled as a sequence
+    of its own (``KernelVariant.seq_tokens``), token t of sequence b at b * num_tokens + t: the
+    ``lengths`` (B,) count the num_tokens new tokens, and token t sees up to and including its own.
+    Device ops on shapes alone, as the launch's other length arithmetic."""
+    later = torch.arange(num_tokens - 1, -1, -1, dtype=lengths.dtype, device=lengths.device)
+    return (lengths[:, None] - later).clamp_(min=0).flatten()
 
 
 def counters_size(num_programs: int) -> int:

@@ -81,6 +81,7 @@ def plan_decode(
         window,
         sinks,
         softmax_scale,
+        batch_invariant=batch_invariant,
     )
     num_tokens = q.shape[1] if q.dim() == 4 else 1
     features = Features(
@@ -106,7 +107,7 @@ def plan_decode(
     if num_sms < 1 or num_programs % num_sms:
         raise ValueError(f"num_sms: expected a divisor of num_programs={num_programs}, got {num_sms}")
     plan = dataclasses.replace(plan, kernel=kernel, num_programs=num_programs, num_sms=num_sms)
-    check_tile_count(plan.batch, plan.head_units, layout.capacity, kernel.config.tile_n)
+    check_tile_count(plan.schedule_batch, plan.head_units, layout.capacity, kernel.config.tile_n)
     return plan
 
 

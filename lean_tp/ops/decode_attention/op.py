@@ -124,6 +124,7 @@ def _(
         window,
         sinks,
         softmax_scale,
+        batch_invariant=batch_invariant,
     )
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1]), lse
@@ -150,7 +151,8 @@ def decode_attention(
     """Exact attention of the newest query tokens of each sequence against its KV cache (LeanAttention).
 
     Args:
-        q: (B, Hq, D), or (B, Tq, Hq, D) for 1 <= Tq <= 16 new tokens per sequence; fp16, bf16 or fp32.
+        q: (B, Hq, D), or (B, Tq, Hq, D) for 1 <= Tq <= 16 new tokens per sequence (any Tq with
+            ``batch_invariant``); fp16, bf16 or fp32.
         k_cache, v_cache: contiguous (B, Hkv, S_max, D), any strides with ``stride(-1) == 1``;
             or paged (num_pages, page_size, Hkv, D) together with ``block_table``.
             q's dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) with an fp16/bf16 q and scales.
@@ -178,8 +180,10 @@ def decode_attention(
             denominator (not scaled or capped), with no value.
         batch_invariant: make each sequence's out and lse bitwise independent of the rest of the
             batch (its batch-mates, their number, lengths and order; docs/design.md,
-            "Batch-invariant mode"). Costs a little speed (docs/BENCHMARKS.md); same values up to
-            rounding.
+            "Batch-invariant mode"), and each of its Tq query tokens' bitwise its one-token decode's
+            (the call with its q row and the keys up to its own). Costs a little speed in decode,
+            and a read of the keys per token in a verification (docs/BENCHMARKS.md); same values up
+            to rounding.
 
     Returns:
         out in q's shape (last dim Dv) and dtype, or (out, lse) when ``return_lse``; lse is float32, q's shape

@@ -88,11 +88,19 @@ class KernelVariant:
             entry = config_for(self.arch, self.head_dim, self.dtype, self.features.fp8, self.head_dim_v)
             object.__setattr__(self, "config", entry)
 
+    @property
+    def seq_tokens(self) -> int:
+        """Query tokens the schedule makes a sequence of their own (``SEQ_TOKENS``): in the
+        batch-invariant mode each of a call's Tq tokens is decoded as a one-token sequence over the
+        keys up to its own, so that its bits are those of its one-token decode (docs/design.md); 1
+        otherwise."""
+        return self.features.num_tokens if self.features.batch_invariant else 1
+
     @functools.cached_property
     def constexprs(self) -> dict[str, Any]:
         """The kernel's compile-time arguments."""
         config, f = self.config, self.features
-        rows = f.num_tokens * self.group
+        rows = f.num_tokens // self.seq_tokens * self.group
         block_g = block_g_for(rows, config)
         head_dim_v = self.head_dim_v or self.head_dim
         block_d = padded_head_dim(head_dim_v)
@@ -128,6 +136,7 @@ class KernelVariant:
             "INVARIANT": f.batch_invariant,
             "IGROUP": INVARIANT_GROUP_CHUNKS,
             "ISUPER": INVARIANT_SUPER_GROUPS,
+            "SEQ_TOKENS": self.seq_tokens,
         }
 
     @property
@@ -142,6 +151,10 @@ class KernelVariant:
     def compile_options(self) -> dict[str, int]:
         """Triton launch options (warps, stages, register cap) of this variant."""
         return self.config.compile_options(self.page_size is not None, self.block_g, self.features.batch_invariant)
+
+    @property
+    def num_warps(self) -> int:
+        return self.compile_options()["num_warps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +179,20 @@ class DecodePlan:
 
     @property
     def head_units(self) -> int:
-        """Units of the schedule per sequence: KV heads x row blocks per KV head."""
+        """Units of the schedule per schedule sequence: KV heads x row blocks per KV head."""
         return self.layout.num_kv_heads * self.kernel.row_blocks
 
     @property
+    def schedule_batch(self) -> int:
+        """Sequences of the schedule: the batch's, or each of their query tokens (``KernelVariant.seq_tokens``)."""
+        return self.batch * self.kernel.seq_tokens
+
+    @property
     def max_span(self) -> int:
-        """Keys of a sequence that any of its queries sees: ``window + Tq - 1`` with a window,
-        else all of them (``NO_SPAN_LIMIT``)."""
-        return span_limit(self.window, self.features.num_tokens)
+        """Keys of a schedule sequence that any of its queries sees: ``window + Tq - 1`` with a
+        window (Tq its query tokens), else all of them (``NO_SPAN_LIMIT``)."""
+        tokens = self.features.num_tokens // (self.kernel.seq_tokens if self.kernel else 1)
+        return span_limit(self.window, tokens)
 
     @property
     def max_groups(self) -> int:
@@ -187,7 +206,7 @@ class DecodePlan:
         shapes, never from lengths."""
         if not self.features.batch_invariant:
             return None
-        return self.batch * self.head_units * invariant_slots(self.max_groups)
+        return self.schedule_batch * self.head_units * invariant_slots(self.max_groups)
 
 
 def span_limit(window: int | None, num_tokens: int) -> int:

@@ -1,8 +1,12 @@
 """The rows of a head unit, and what the kernel loads and stores per row: q, the keys each row
 sees, the normalized output and lse.
 
-The rows of one head unit are the Tq query tokens x the GQA group of one KV head, token-major
-(row r is token r // GROUP, query head r % GROUP of the KV head), padded to BLOCK_G.
+The rows of one head unit are the query tokens x the GQA group of one KV head of one of the
+schedule's sequences, token-major (row r is token r // GROUP, query head r % GROUP of the KV
+head), padded to BLOCK_G. A schedule sequence is a call's sequence with all its TQ tokens, or,
+with SEQ_TOKENS = TQ (the batch-invariant mode's verification, docs/design.md), one of its tokens:
+sequence s is token s % TQ of the call's sequence s // TQ, decoded over the keys up to and
+including its own, so its rows are those of that token's one-token decode.
 """
 
 import triton
@@ -28,11 +32,27 @@ def head_unit_rows(hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.conste
 
 
 @triton.jit
+def seq_rows(
+    s,
+    hu,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+):
+    """Rows of head unit hu of schedule sequence s: (the call's sequence, and per row [BLOCK_G]
+    its query token, query head and whether the row is real)."""
+    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ // SEQ_TOKENS, BLOCK_G, NUM_GC)
+    return s // SEQ_TOKENS, o_t + s % SEQ_TOKENS, o_h, m_g
+
+
+@triton.jit
 def store_output(
     out_ptr,
     lse_ptr,
     sinks_ptr,
-    b,
+    s,
     hu,
     b_acc,
     b_m,
@@ -40,16 +60,17 @@ def store_output(
     HQ,
     GROUP: tl.constexpr,
     TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Normalize and store the rows of head unit hu of sequence b into out (B, TQ, HQ, HEAD_DIM) and
-    lse (B, TQ, HQ), both contiguous. A sink joins the denominator here, once per output; without
-    sinks l == 0 (no key seen) gives out 0 and lse -inf."""
-    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    """Normalize and store the rows of head unit hu of schedule sequence s into out (B, TQ, HQ,
+    HEAD_DIM) and lse (B, TQ, HQ), both contiguous. A sink joins the denominator here, once per
+    output; without sinks l == 0 (no key seen) gives out 0 and lse -inf."""
+    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
     o_d = tl.arange(0, BLOCK_D)
     if HAS_SINKS:
         b_sink = tl.load(sinks_ptr + o_h, mask=m_g, other=0.0) * LOG2E
@@ -75,29 +96,30 @@ def write_empty_sequences(
     out_ptr,
     lse_ptr,
     sinks_ptr,
-    B,
+    NS,
     HKV,
     GROUP: tl.constexpr,
     TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Zero-length sequences own no tile; active programs share them round-robin: out 0, lse -inf
-    (the sink's logit with sinks)."""
+    """Zero-length schedule sequences (NS of them) own no tile; active programs share them
+    round-robin: out 0, lse -inf (the sink's logit with sinks)."""
     b_zero = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     b_none = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_nol = tl.zeros([BLOCK_G], tl.float32)
-    for b in range(tl.where(pid < n_active, pid, B), B, n_active):
-        if tl.load(seqlens_ptr + b) == 0:
+    for s in range(tl.where(pid < n_active, pid, NS), NS, n_active):
+        if tl.load(seqlens_ptr + s) == 0:
             for hu in range(0, HKV * NUM_GC):
                 store_output(
                     out_ptr,
                     lse_ptr,
                     sinks_ptr,
-                    b,
+                    s,
                     hu,
                     b_zero,
                     b_none,
@@ -105,6 +127,7 @@ def write_empty_sequences(
                     HKV * GROUP,
                     GROUP,
                     TQ,
+                    SEQ_TOKENS,
                     HEAD_DIM,
                     BLOCK_D,
                     BLOCK_G,
@@ -115,7 +138,7 @@ def write_empty_sequences(
 
 @triton.jit
 def seq_base(leftpad_ptr, b, valid, HAS_LEFTPAD: tl.constexpr):
-    """Cache position of sequence b's first valid key: its left padding, or 0."""
+    """Cache position of the call's sequence b's first valid key: its left padding, or 0."""
     if HAS_LEFTPAD:
         return tl.load(leftpad_ptr + b, mask=valid, other=0)
     else:
@@ -125,7 +148,7 @@ def seq_base(leftpad_ptr, b, valid, HAS_LEFTPAD: tl.constexpr):
 @triton.jit
 def load_q(
     q_ptr,
-    b,
+    s,
     hu,
     valid,
     stride_qb,
@@ -133,6 +156,7 @@ def load_q(
     stride_qh,
     GROUP: tl.constexpr,
     TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -140,11 +164,11 @@ def load_q(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
 ):
-    """The query rows of head unit hu of sequence b, or nothing loaded when not ``valid``: b_q
+    """The query rows of head unit hu of schedule sequence s, or nothing loaded when not ``valid``: b_q
     [BLOCK_G, BLOCK_D], q's first HEAD_DIM columns (V's head dim), and b_qt [BLOCK_G, BLOCK_DT],
     its HEAD_DIM_T columns after them (K's columns past V's; b_q again when there are none). In
     q's dtype (fp32 for bf16 in the interpreter), zero past the rows and the columns."""
-    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
     o_d = tl.arange(0, BLOCK_D)
     o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
     b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)

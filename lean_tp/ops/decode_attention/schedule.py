@@ -2,7 +2,10 @@
 
 All LeanTiles are laid end to end in (sequence, head unit, context) order. A head unit is one KV
 head and one block of its query rows (the Tq x group rows of a KV head, in more than one block
-only when they outnumber the kernel's row block). Sequence ``b`` holds ``HU * cdiv(span_b, TILE_N)``
+only when they outnumber the kernel's row block). The schedule's sequences are the call's, or,
+in the batch-invariant mode's verification, each of their query tokens as a sequence of its own
+with the keys up to and including its own (``launch_args.token_lengths``). Sequence ``b`` holds
+``HU * cdiv(span_b, TILE_N)``
 tiles, where ``span_b = min(len_b, max_span)`` counts the keys any of its queries sees: the last
 ``window + Tq - 1`` with a sliding window (``max_span`` is then that), else all ``len_b``. Keys
 before the span are never tiled, so a 4k window over a 128k cache costs like a 4k cache. With ``n_active`` programs,

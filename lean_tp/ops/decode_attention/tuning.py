@@ -56,6 +56,9 @@ class DecodeConfig:
     # chunk-end block in the K/V loop (chunks.attend_chunks) raises ptxas's choice past an
     # occupancy step that the default stays under. See _REGS_INVARIANT.
     invariant_max_registers: int | None = None
+    # Warps of the batch-invariant variant when not num_warps: its loop holds a chunk's and a
+    # group's state, and fewer threads spend fewer registers on addresses. See _WARPS_INVARIANT.
+    invariant_num_warps: int | None = None
     # V's head dim when it is below K's (MLA: a 576-dim latent + rope row as K, its first 512 dims
     # as V); None for equal head dims. The table's key names K's head dim.
     head_dim_v: int | None = None
@@ -63,10 +66,11 @@ class DecodeConfig:
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
         pipeline stages (``paged_stages`` for a paged cache when set) and ``maxnreg`` where the
-        entry caps registers (``invariant``: the batch-invariant variant's cap, when set) and the
-        installed Triton is one the caps were read on."""
+        entry caps registers (``invariant``: the batch-invariant variant's warps and cap, when set)
+        and the installed Triton is one the caps were read on."""
         stages = self.paged_stages if paged and self.paged_stages else self.num_stages
-        options = {"num_warps": self.num_warps, "num_stages": stages}
+        warps = (invariant and self.invariant_num_warps) or self.num_warps
+        options = {"num_warps": warps, "num_stages": stages}
         cap = (invariant and self.invariant_max_registers) or self.max_registers
         capped = cap and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
         return options | ({"maxnreg": cap} if capped else {})
@@ -188,6 +192,12 @@ _REGS90 = "; at most 168 registers: 3 programs/SM for every layout and feature (
 # default 158-195 and 3); capped at 168 it fits 3 with no spill in the K/V loop. The default keeps
 # ptxas's choice (under the cap its paged loop spills, see the caps above).
 _REGS_INVARIANT = "; invariant variant at most 168 registers: 3 programs/SM (kernel report)"
+# D=256: the batch-invariant variant's chunk and group states take 32 of the 128 registers a
+# thread has at 8 warps (2 programs/SM), and its loop spilled (sm_90: 12 local accesses an
+# iteration, sm_80: 6). At 4 warps and up to 255 registers a program has the same register file
+# (2 programs/SM) with half the threads' address and index registers: no loop spill, and fewer
+# SASS issued an iteration (sm_90 paged16: 774 x 4 warps against 553 x 8).
+_WARPS_INVARIANT = "; invariant variant 4 warps, 255 registers: 2 programs/SM, no loop spill (kernel report)"
 
 # MLA decode (DeepSeek-V2/V3, Kimi-K2): one latent KV head of 576 dims (512 latent + 64 rope) read
 # by 16 (TP 8) to 128 (TP 1) query heads, V its first 512 dims, read from K's tile (V_IN_K): 1152
@@ -241,7 +251,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         paged_stages=5,
         max_registers=128,
-        reason=_D256 + _STAGES80 + _FITS + _WAVE80 + _AHEAD + _REGS,
+        invariant_num_warps=4,
+        invariant_max_registers=255,
+        reason=_D256 + _STAGES80 + _FITS + _WAVE80 + _AHEAD + _REGS + _WARPS_INVARIANT,
     ),
     ("sm90", 64, 2): DecodeConfig(
         tile_n=256,
@@ -278,7 +290,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         paged_stages=5,
         max_registers=128,
-        reason=_D256 + _STAGES + _FITS + _WAVE90 + _AHEAD + _REGS,
+        invariant_num_warps=4,
+        invariant_max_registers=255,
+        reason=_D256 + _STAGES + _FITS + _WAVE90 + _AHEAD + _REGS + _WARPS_INVARIANT,
     ),
     # fp8 caches, converted to q's 16-bit dtype: the 16-bit entries' tiles, warps and stages, with
     # key blocks doubled where that fits (see _FP8_BLOCKS).

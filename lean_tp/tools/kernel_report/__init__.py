@@ -37,6 +37,7 @@ No GPU is needed: ``ptxas`` and ``cuobjdump`` come with Triton.
 from lean_tp.tools.kernel_report.cli import main
 from lean_tp.tools.kernel_report.report import (
     FEATURES,
+    INVARIANT_BASE,
     LAYOUTS,
     REPORT_GROUP,
     KernelStats,
@@ -51,6 +52,7 @@ from lean_tp.tools.kernel_report.sass import kv_loop_of_sass, merge_loop_of_sass
 
 __all__ = [
     "FEATURES",
+    "INVARIANT_BASE",
     "LAYOUTS",
     "REPORT_GROUP",
     "KernelStats",

@@ -31,7 +31,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
 MLA_GROUP = 16  # DeepSeek-V3's 128 query heads per latent head over TP 8
 # The serving features compiled for MLA's entries (one latent head: fp8 and MTP drafts matter).
-MLA_FEATURES = ("fp8_e4m3", "fp8_e5m2", "tq4", "invariant", "all")
+MLA_FEATURES = ("fp8_e4m3", "fp8_e5m2", "tq4", "invariant", "tq4_invariant", "all")
 E4M3 = torch.float8_e4m3fn
 # The serving-feature variants the report compiles, by name; "" is one-token decode.
 FEATURES = {
@@ -39,6 +39,7 @@ FEATURES = {
     "fp8_e4m3": Features(fp8=E4M3),
     "fp8_e5m2": Features(fp8=torch.float8_e5m2),
     "tq4": Features(num_tokens=4),
+    "tq16": Features(num_tokens=16),
     "softcap": Features(softcap=True),
     "window": Features(window=True),
     "sinks": Features(sinks=True),
@@ -46,8 +47,13 @@ FEATURES = {
     "all": Features(num_tokens=4, fp8=E4M3, softcap=True, window=True, sinks=True),
     "v_strides": Features(kv_strides_differ=True),  # V's strides not K's: addresses formed twice
     "invariant": Features(batch_invariant=True),
+    # Speculative verification in the invariant mode: each query token decoded as a sequence of its own.
+    "tq4_invariant": Features(num_tokens=4, batch_invariant=True),
+    "tq16_invariant": Features(num_tokens=16, batch_invariant=True),
     "all_invariant": Features(num_tokens=4, fp8=E4M3, softcap=True, window=True, sinks=True, batch_invariant=True),
 }
+# Each batch-invariant variant's kernel in the default mode, which the tests hold it against.
+INVARIANT_BASE = {"invariant": "", "tq4_invariant": "tq4", "tq16_invariant": "tq16", "all_invariant": "all"}
 # Head dims that are not a power of two (Phi-3's 96, and others models use), padded by the kernel.
 PADDED_HEAD_DIMS = (40, 80, 96, 112, 160, 192)
 
@@ -165,11 +171,11 @@ def compile_stats(
         leftpad,
         features,
         config.block_n,
-        config.num_warps,
+        variant.num_warps,
         regs,
         stack,
         shared,
-        programs_per_sm(regs, shared, config.num_warps, SM_LIMITS[arch]),
+        programs_per_sm(regs, shared, variant.num_warps, SM_LIMITS[arch]),
         *kv_load_bytes(kernel.asm["ptx"]),
         kv_buffers(kernel.asm["ttgir"], config.block_n),
         max(waits, default=0),
@@ -246,7 +252,8 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout; and each other kind of job (a
     feature or variant: the job without its arch and head dim) on one head dim, rotating over the
     head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
-    sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not."""
+    sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not; a
+    batch-invariant variant on its default-mode kernel's head dims and archs."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
         # MLA's kernels take about 3x a D=128 kernel's compile: the sample keeps their 16-bit rows on
@@ -262,8 +269,10 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
             base.append(job)
         else:
             kinds.setdefault(job[2:], []).append(job)
-    sample = []
-    for i, (kind, same_kind) in enumerate(kinds.items()):
+    sample, order = [], {kind: i for i, kind in enumerate(kinds)}
+    for kind, same_kind in kinds.items():
+        # A batch-invariant variant takes its default-mode kernel's pick, which the tests compare it with.
+        i = order.get((*kind[:-1], INVARIANT_BASE.get(kind[-1])), order[kind])
         by_arch = "fp8" in kind[-1] or kind[-1] == "all"
         for arch in ("sm80", "sm90") if by_arch else (("sm80", "sm90")[i % 2],):
             of_arch = [j for j in same_kind if j[0] == arch]
