@@ -30,6 +30,7 @@ from sglang.test.kits.attention_unittest.runner_modes import (
 import lean_tp.integrations.sglang as lean_sglang  # noqa: E402
 from lean_tp.integrations.sglang import backend as lean_backend  # noqa: E402
 from lean_tp.ops.decode_attention import decode_attention_ref  # noqa: E402
+from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS  # noqa: E402
 
 NAME = lean_sglang.register()
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -328,14 +329,16 @@ def test_sglang_deterministic_inference_is_batch_invariant(op_backend):
     assert torch.equal(outs[0][0], outs[1][0])
 
 
-def test_sglang_deterministic_verify_gives_each_draft_its_decode_bits(monkeypatch, lean_calls):
+@pytest.mark.parametrize("drafts", [3, 20])
+def test_sglang_deterministic_verify_gives_each_draft_its_decode_bits(monkeypatch, lean_calls, drafts):
     """Under --enable-deterministic-inference chain verification runs the op's batch-invariant mode
     too: each draft token's rows are bitwise those of decoding it alone, with the keys up to its own
-    position (the kernel, in the interpreter: the op's promise across query lengths)."""
+    position (the kernel, in the interpreter: the op's promise across query lengths), for any
+    number of drafts (20: past the default mode's bound, which sends it to the delegate)."""
     if not INTERPRETED:
         pytest.skip("the Triton op backend runs on CPU under TRITON_INTERPRET=1 only")
     monkeypatch.setenv(lean_backend.BACKEND_ENV, "triton")
-    drafts, prefix_lens = 3, [5, 30]
+    prefix_lens = [5, 30]
     fixture = _fixture(16, 4, 2, prefix_lens, mode=ForwardMode.TARGET_VERIFY, drafts=drafts)
     overrides = get_context().override_server_args(enable_deterministic_inference=True)
     overrides.install()
@@ -364,6 +367,8 @@ def test_sglang_deterministic_verify_gives_each_draft_its_decode_bits(monkeypatc
             alone = backend.forward(q[t : t + 1], k[t : t + 1], v[t : t + 1], layer, one, save_kv_cache=False)
             assert torch.equal(alone[0], verified[t]), f"request {b}, draft {i}"
     assert lean_calls[0][0] == (2, drafts, 4, 64) and all(kwargs["batch_invariant"] for _, kwargs in lean_calls)
+    default = lean_sglang.create_backend(fixture.runner)
+    assert default.query_len(batch) == (drafts if drafts <= MAX_QUERY_TOKENS else None)
 
 
 # -- MLA (DeepSeek): the kit's MLA attention over SGLang's latent pool --------------------------------

@@ -570,6 +570,23 @@ def test_batch_invariant_mode_runs_every_decode_length_on_lean(vllm_config, lean
             assert torch.equal(alone.view(torch.int16), output[rows].view(torch.int16)), f"request {r}, {part}"
 
 
+def test_batch_invariant_mode_takes_every_verification_length(vllm_config, lean_calls, monkeypatch):
+    """19 speculative tokens: under VLLM_BATCH_INVARIANT=1 lean takes query lengths up to vLLM's
+    threshold (20) whatever their batch-mates, a 20-token verification beside decodes included;
+    without it the threshold stays at the default mode's bound, and that request is delegated."""
+    requests = [(40, 20), (7, 1), (60, 13)]
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    case = make_case(vllm_config, requests, spec_tokens=19, heads=(4, 2), head_size=32, seed=14)
+    check(forward(case), case.ref, torch.float32)
+    assert [g.query_len for g in case.metadata.groups] == [1, 13, 20] and case.metadata.prefill is None
+    assert sorted(lean_calls) == sorted([(1, 4, 32), (1, 13, 4, 32), (1, 20, 4, 32)])
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    lean_calls.clear()
+    case = make_case(vllm_config, requests, spec_tokens=19, heads=(4, 2), head_size=32, seed=14)
+    check(forward(case), case.ref, torch.float32)
+    assert case.metadata.num_decodes == 0 and case.metadata.prefill_start == 0 and lean_calls == []
+
+
 def test_default_mode_keeps_the_leading_query_length_on_lean(vllm_config, lean_calls):
     """Without VLLM_BATCH_INVARIANT the same step runs the leading length on lean and the rest of
     the batch on the delegate, in one call each."""

@@ -15,6 +15,7 @@ import gc
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -170,3 +171,67 @@ def test_lean_mla_generates_cpu_mlas_tokens(models, in_process, mla_decodes, mon
     got = _generate(models["deepseek_v2"], lean=True, dtype=dtype, impls=impls, max_tokens=tokens, replaced="CPU_MLA")
     assert got == expected and len({tuple(t) for t in got}) == len(PROMPTS)
     assert impls == [["LeanCPUMLAImpl/16/1"]] and mla_decodes
+
+
+# Prompts and generated tokens over ten token ids, so that the n-gram proposer finds every new token
+# in the context and proposes drafts; 17 speculative tokens make verifications of up to 18 tokens,
+# past the default mode's bound, and batches that mix lengths.
+SPEC_IDS = list(range(1, 11))
+SPEC_PROMPTS = [[(3 * i + 7 * n) % 10 + 1 for n in range(length)] for i, length in enumerate((80, 61, 93))]
+SPEC_TOKENS = 17
+
+
+def test_a_token_verified_among_drafts_gets_its_decode_rows_from_lean(models, in_process, monkeypatch):
+    """N-gram speculative decoding with LEAN in the batch-invariant mode, on lean's kernel (the
+    interpreter): every verification the engine runs, of every length it sends (up to 1 + 17
+    tokens, in batches that mix lengths), is on lean, and the rows lean returns for each verified
+    token equal, bitwise, those of decoding that token alone over the engine's own cache (the
+    one-token call lean makes without speculation). vLLM's own ``VLLM_BATCH_INVARIANT=1`` needs
+    its Triton kernels, which its CPU build lacks: here lean's modules alone see the flag, and
+    vLLM's matmuls and sampler are not invariant (they are the engine's, outside the promise).
+    One speculative engine a process: vLLM's CPU build fails to build a second one in the same
+    process under the interpreter (its kernel dispatcher re-registers the drafter's kernels)."""
+    import types
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
+    monkeypatch.setattr(lean_backend, "envs", types.SimpleNamespace(VLLM_BATCH_INVARIANT=True))
+    real, verified = lean_backend.decode_attention, []
+
+    def checked(q, k_cache, v_cache, seq_lens, **kw):
+        out = real(q, k_cache, v_cache, seq_lens, **kw)
+        assert kw["batch_invariant"]
+        if q.dim() == 4:
+            tq = q.shape[1]
+            for t in range(tq):
+                alone = real(q[:, t], k_cache, v_cache, (seq_lens - (tq - 1 - t)).clamp(min=0), **kw)
+                assert torch.equal(out[:, t].view(torch.int32), alone.view(torch.int32)), f"token {t} of {tq}"
+            verified.append(tq)
+        return out
+
+    monkeypatch.setattr(lean_backend, "decode_attention", checked)
+    with in_place_of("CPU_ATTN"):
+        llm = LLM(
+            model=models["llama"],
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            max_num_seqs=4,
+            block_size=32,
+            kv_cache_memory_bytes=32 << 20,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": SPEC_TOKENS,
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2,
+            },
+        )
+        params = SamplingParams(
+            max_tokens=4, allowed_token_ids=SPEC_IDS, temperature=0.0, detokenize=False, ignore_eos=True
+        )
+        llm.generate([{"prompt_token_ids": p} for p in SPEC_PROMPTS], params, use_tqdm=False)
+        del llm
+        gc.collect()
+    assert verified and max(verified) > 16, verified

@@ -117,6 +117,28 @@ def test_forward_mqa_on_the_kernel_and_batch_invariant_mode(monkeypatch):
     assert torch.equal(first[0], out[0])
 
 
+def test_batch_invariant_mode_verifies_20_drafts_as_one_query(monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: 20 causal drafts (past the default mode's bound) run as one lean
+    call of Tq = 20, each token's rows bitwise those of decoding it alone (the kernel, in the
+    interpreter), against float64."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
+    monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    calls, real = [], lean_mla.decode_attention
+    monkeypatch.setattr(lean_mla, "decode_attention", lambda q, *a, **k: calls.append(q.shape) or real(q, *a, **k))
+    impl, tq, lens = _impl(), 20, [21, 40]
+    q, cache, decode = _decode_batch(lens, tq, torch.bfloat16, seed=11)
+    out, lse = impl.forward_mqa(q, cache, SimpleNamespace(decode=decode, causal=True), _layer(torch.ones(1)))
+    assert calls == [(len(lens), tq, HEADS, RANK + ROPE)]
+    torch.testing.assert_close(out.double(), _reference(q, cache, decode, tq)[0], atol=TOL[torch.bfloat16], rtol=0)
+    for t in (0, 9, tq - 1):
+        rows = torch.arange(len(lens)) * tq + t
+        alone = SimpleNamespace(block_table=decode.block_table, seq_lens=decode.seq_lens - (tq - 1 - t))
+        one, one_lse = impl.forward_mqa(q[rows], cache, SimpleNamespace(decode=alone), _layer(torch.ones(1)))
+        assert torch.equal(one, out[rows]) and torch.equal(one_lse, lse[rows]), f"token {t}"
+
+
 def test_registration_in_place_of_cpu_mla(monkeypatch):
     """register() adds LEAN_MLA beside LEAN; in place of CPU_MLA (vLLM's CPU platform always picks
     it) the MLA class goes in, in place of CPU_ATTN the other."""

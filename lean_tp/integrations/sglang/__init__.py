@@ -7,7 +7,8 @@ Installing lean_tp registers the backend with SGLang in every SGLang process (th
     sglang.Engine(model_path=..., attention_backend="lean")
 
 Decode batches and speculative decoding's chain verification (1 to ``MAX_QUERY_TOKENS`` tokens
-per request) run on ``lean_tp.decode_attention`` over SGLang's token-to-KV pool; prefill, tree
+per request; any number under deterministic inference, each verified token with the bits of its
+one-token decode) run on ``lean_tp.decode_attention`` over SGLang's token-to-KV pool; prefill, tree
 verification and every other mode go to SGLang's own Triton backend on GPUs and its torch-native
 backend on CPU, which read and write the same pool. ``backend.py`` has the class; docs/sglang.md
 covers options, coverage and benchmarking.

@@ -27,7 +27,7 @@ from sglang.srt.speculative.ragged_verify import RaggedVerifyMode, read_ragged_v
 from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.sglang import NAME
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import FP8_DTYPES, MAX_QUERY_TOKENS, is_page_size
+from lean_tp.ops.decode_attention.checks import FP8_DTYPES, is_page_size, max_query_tokens
 from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, head_dim_pairs, kernel_takes_head_dim
 
 # The op backend decode runs on: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
@@ -161,7 +161,8 @@ class LeanAttnBackend(AttentionBackend):
         if mode.is_target_verify():
             spec = forward_batch.spec_info
             # A chain of drafts (topk 1) verifies causally; a tree needs the delegate's custom mask.
-            if spec is not None and getattr(spec, "topk", None) == 1 and 1 <= spec.draft_token_num <= MAX_QUERY_TOKENS:
+            tokens = max_query_tokens(self.batch_invariant)
+            if spec is not None and getattr(spec, "topk", None) == 1 and 1 <= spec.draft_token_num <= tokens:
                 return spec.draft_token_num
         return None
 

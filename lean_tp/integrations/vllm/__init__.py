@@ -9,7 +9,8 @@ entry point calls ``register``), so one option selects it::
 MLA models select ``--attention-backend LEAN_MLA`` (``mla.py``: decode on lean over vLLM's latent
 cache, prefill on vLLM's MLA path). Decode requests (1 to ``MAX_QUERY_TOKENS`` query tokens each,
 all of one length: speculative decoding's verification included; under ``VLLM_BATCH_INVARIANT=1``
-of any mix of lengths, one lean call per length) run on ``lean_tp.decode_attention`` over vLLM's
+of any mix of lengths up to vLLM's reorder threshold, one lean call per length, each verified
+token with the bits of its one-token decode) run on ``lean_tp.decode_attention`` over vLLM's
 paged cache; prefill and mixed chunks go to vLLM's own Triton attention, which reads and writes
 the same cache.
 ``backend.py`` has the classes, ``cpu.py`` the plain-torch stand-ins used where vLLM runs no

@@ -4,8 +4,9 @@ The cache is vLLM's Triton-attention cache, one tensor per layer of logical shap
 (num_blocks, Hkv, block_size, 2 * D) in the LBNHC physical order; its K and V halves, viewed as
 (num_blocks, block_size, Hkv, D), are what ``lean_tp.decode_attention`` takes with a block table.
 The builder reorders each batch so that decode requests come first (vLLM's reorder threshold) and
-splits it: the leading requests that share one query length of at most ``MAX_QUERY_TOKENS`` run on
-lean in one call; the rest (prefills, chunked prefills, odd-length requests) run on the delegate,
+splits it: the leading requests that share one query length of at most ``MAX_QUERY_TOKENS`` (any
+length up to vLLM's reorder threshold, 1 + the speculative tokens, in the batch-invariant mode) run
+on lean in one call; the rest (prefills, chunked prefills, odd-length requests) run on the delegate,
 vLLM's own Triton attention, with its metadata built for just those requests. Under
 ``VLLM_BATCH_INVARIANT=1`` every request of 1 to the reorder threshold's query tokens runs on lean
 whatever its batch-mates' lengths: a batch that mixes lengths runs one lean call per length, and
@@ -36,7 +37,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 from lean_tp.integrations import op_backend_from_env
 from lean_tp.integrations.vllm import NAME, cpu
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
+from lean_tp.ops.decode_attention.checks import max_query_tokens
 from lean_tp.ops.decode_attention.tuning import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, kernel_takes_head_dim
 
 # Block sizes vLLM allocates that are pages the op takes: vLLM's block sizes are multiples of 16,
@@ -144,7 +145,7 @@ class CpuPrefill:
 class LeanGroup:
     """Requests of one query length that run on lean in one call, wherever they sit in the batch."""
 
-    query_len: int  # 1..MAX_QUERY_TOKENS
+    query_len: int  # 1..the reorder threshold
     tokens: torch.Tensor  # (n * query_len,) int64, the requests' token rows, request after request
     seq_lens: torch.Tensor  # (n,) int32, keys per request including its new tokens
     block_table: torch.Tensor  # (n, max_pages) int32
@@ -188,7 +189,7 @@ def lean_groups(
 class LeanAttentionMetadata:
     num_actual_tokens: int
     num_decodes: int  # leading requests that run on lean, q viewed as (num_decodes, Tq, Hq, D)
-    decode_query_len: int  # their common query length, 1..MAX_QUERY_TOKENS
+    decode_query_len: int  # their common query length, 1..the reorder threshold
     seq_lens: torch.Tensor  # (num_decodes,) int32, keys per request including its new tokens
     block_table: torch.Tensor  # (num_decodes, max_pages) int32
     slot_mapping: torch.Tensor  # (num_actual_tokens,) int64
@@ -209,9 +210,10 @@ class LeanAttentionMetadataBuilder(AttentionMetadataBuilder[LeanAttentionMetadat
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Decodes first; with speculative decoding a verification request (1 + k tokens) is a decode.
+        # The batch-invariant mode takes any query length, so every verification runs on lean.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self.reorder_batch_threshold = min(self.reorder_batch_threshold, MAX_QUERY_TOKENS)
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        self.reorder_batch_threshold = min(self.reorder_batch_threshold, max_query_tokens(self.batch_invariant))
         self.delegate = None
         if _triton_delegate():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder

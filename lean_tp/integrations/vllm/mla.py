@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
 from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, LeanGroup, lean_groups, op_backend
 from lean_tp.ops.decode_attention import decode_attention
-from lean_tp.ops.decode_attention.checks import MAX_QUERY_TOKENS
+from lean_tp.ops.decode_attention.checks import max_query_tokens
 
 NAME_MLA = "LEAN_MLA"
 # The latent row the kernel has a tuning entry for (kv_lora_rank 512 + 64 rope dims).
@@ -51,9 +51,9 @@ def lean_forward_mqa(
     ``layer._k_scale`` for the latent rows. Returns out (rows, H, rank) in q's dtype and lse
     (rows, H) float32, natural log.
 
-    A causal block of up to ``MAX_QUERY_TOKENS`` drafts per request runs as one query of Tq tokens
-    (the drafts share each K/V tile); longer or non-causal blocks run one row per query token, each
-    with its own length, as vLLM's Triton MLA does.
+    A causal block of up to ``MAX_QUERY_TOKENS`` drafts per request (any number in the
+    batch-invariant mode) runs as one query of Tq tokens; longer or non-causal blocks run one row
+    per query token, each with its own length, as vLLM's Triton MLA does.
     """
     if isinstance(q, tuple):
         q = torch.cat(q, dim=-1)
@@ -79,7 +79,7 @@ def _mqa(impl, q, kv_cache, seq_lens, block_table, causal: bool, layer) -> tuple
     tq = rows // requests if requests else 1
     kv = kv_cache.unsqueeze(2)  # one latent "head"
     scale = layer._k_scale if kv.dtype in FP8_CACHE_DTYPES.values() else None
-    if tq > 1 and not (causal and tq <= MAX_QUERY_TOKENS):
+    if tq > 1 and not (causal and tq <= max_query_tokens(impl.batch_invariant)):
         block_table = block_table.repeat_interleave(tq, dim=0)
         offsets = torch.arange(1 - tq, 1, device=seq_lens.device, dtype=seq_lens.dtype) if causal else 0
         seq_lens = (seq_lens[:, None] + offsets).expand(-1, tq).flatten().clamp_min(0).to(torch.int32)
