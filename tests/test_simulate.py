@@ -34,9 +34,12 @@ from lean_tp.tools.simulate import (
     table_rows_parallel,
     triton_mla_schedule,
     triton_mla_splits,
+    verification_sweep_cases,
+    verification_table_rows,
     vllm_invariant_schedule,
 )
 from lean_tp.tools.simulate import simulate as _simulate
+from lean_tp.tools.simulate.schedules import lean_sim_schedule, lean_variant, schedule_lens
 
 H100 = GPUS["H100"]
 
@@ -407,17 +410,36 @@ def test_deterministic_rows_table_and_sweep_wiring(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(sim_cli, "table_rows_parallel", stub)
     png, out_json = tmp_path / "det.png", tmp_path / "det.json"
     assert main(["--deterministic-sweep", "--gpu", "H100", "--json", str(out_json), "--plot", str(png)]) == 0
-    assert calls == [{"rows_of": deterministic_table_rows}]
+    assert calls == [{"rows_of": deterministic_table_rows}, {"rows_of": verification_table_rows}]
     out = capsys.readouterr().out
-    table = out[out.index("| GPU | shapes |") :].splitlines()
+    table = out[out.index("| GPU | shapes |") :].split("\n\n")[0].splitlines()
     assert len(table) == 2 + len(deterministic_sweep_cases()) and "| Triton / inv |" in table[0]
+    verify = out[out.index("| GPU | shape | Tq |") :].split("\n\n")[0].splitlines()
+    assert len(verify) == 2 + len({(c[0], c[1]) for c in verification_sweep_cases()})
     assert table[2].startswith("| H100 | TP-8 llama-3-70b / qwen2.5-72b | B=1 Hq=8 Hkv=1 D=128 len 65536 |")
     assert "| SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE (tokens) | 256 |" in out  # the constants, with sources
     n, ratio = len(deterministic_sweep_cases()), row["vllm_over_invariant"]
     assert f"| H100 | vLLM batch-invariant | {ratio:.2f}-{ratio:.2f}x | {n} of {n} | 0 of {n} | 0 of {n} |" in out
     data = json.loads(out_json.read_text())
     assert data["engine_versions"]["sglang"] == "0.5.23" and len(data["engine_constants"]) >= 5
+    assert sum(r["table"] == "verification" for r in data["rows"]) == len(verification_sweep_cases())
     assert png.stat().st_size > 10_000
+
+
+def test_verification_in_the_invariant_mode_reads_the_keys_once_per_token():
+    """Tq = 3 on a TP-8 rank: the invariant mode schedules each token as a sequence over its keys
+    (598, 599, 600), so it reads the keys three times where the default mode's one row block reads
+    them once, and its row of the verification table says what that costs."""
+    problem = Problem((600,), 8, 1, num_tokens=3)
+    invariant = lean_variant(problem, GPUS["H100"], batch_invariant=True)
+    assert schedule_lens(problem, invariant) == [598, 599, 600]
+    assert schedule_lens(problem, lean_variant(problem, GPUS["H100"])) == [600]
+    default, inv = (lean_sim_schedule(problem, GPUS["H100"], 1, batch_invariant=i) for i in (False, True))
+    assert (sum(default.sm_work), sum(inv.sm_work)) == (600, 598 + 599 + 600)
+    (row,) = verification_table_rows(problem, ["H100"], programs_per_sm=1)
+    assert row["problem"] == "B=1 Tq=3 Hq=8 Hkv=1 D=128 len 600"
+    assert (row["lean_us"], row["lean_invariant_us"]) == (default.time_us, inv.time_us)
+    assert row["invariant_over_lean"] == pytest.approx(inv.time_us / default.time_us)
 
 
 @pytest.mark.parametrize(

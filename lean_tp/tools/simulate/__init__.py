@@ -35,6 +35,7 @@ from lean_tp.tools.simulate.problems import (
     deterministic_sweep_cases,
     mla_sweep_problems,
     rank_heads,
+    verification_sweep_cases,
 )
 from lean_tp.tools.simulate.schedules import (
     Schedule,
@@ -52,6 +53,7 @@ from lean_tp.tools.simulate.tables import (
     deterministic_table_rows,
     table_rows,
     table_rows_parallel,
+    verification_table_rows,
 )
 
 __all__ = [
@@ -85,5 +87,7 @@ __all__ = [
     "table_rows_parallel",
     "triton_mla_schedule",
     "triton_mla_splits",
+    "verification_sweep_cases",
+    "verification_table_rows",
     "vllm_invariant_schedule",
 ]

@@ -31,6 +31,7 @@ from lean_tp.tools.simulate.problems import (
     paper_problems,
     rank_heads,
     tp_sweep_problems,
+    verification_sweep_cases,
 )
 from lean_tp.tools.simulate.schedules import simulate
 from lean_tp.tools.simulate.tables import (
@@ -43,6 +44,7 @@ from lean_tp.tools.simulate.tables import (
     format_tp_table,
     row_of,
     table_rows_parallel,
+    verification_table_rows,
 )
 
 
@@ -187,8 +189,16 @@ def _sweep_rows(args) -> list[dict]:
             [c[3] for c in cases], args.gpu, args.programs_per_sm, rows_of=deterministic_table_rows
         )
         rows = [
-            {"shapes": c[0], "batch": c[1], "context": c[2], **r}
+            {"table": "engines", "shapes": c[0], "batch": c[1], "context": c[2], **r}
             for c, r in zip((c for c in cases for _ in args.gpu), rows)
+        ]
+        verify = verification_sweep_cases()
+        verified = table_rows_parallel(
+            [c[4] for c in verify], args.gpu, args.programs_per_sm, rows_of=verification_table_rows
+        )
+        rows += [
+            {"table": "verification", "shapes": c[0], "tq": c[1], "batch": c[2], "context": c[3], **r}
+            for c, r in zip((c for c in verify for _ in args.gpu), verified)
         ]
     return rows
 

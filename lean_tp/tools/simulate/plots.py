@@ -207,6 +207,7 @@ def plot_deterministic_sweep(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
+    rows = [r for r in rows if r.get("table") != "verification"]
     gpus = sorted({r["gpu"] for r in rows})
     fig, axes = plt.subplots(len(gpus), 2, figsize=(15, 5.6 * len(gpus)), squeeze=False, sharey=True)
     for (left, right), gpu in zip(axes, gpus):

@@ -27,6 +27,7 @@ class Problem:
     capacity: int = 0  # 0 means max(lens): fixed-split kernels size their splits from this
     elem_size: int = 2
     head_dim_v: int = 0  # 0: head_dim
+    num_tokens: int = 1  # query tokens per sequence (speculative verification), counted in lens
 
     def __post_init__(self) -> None:
         if not self.lens or min(self.lens) < 0:
@@ -35,6 +36,8 @@ class Problem:
             raise ValueError(f"n_heads: expected a multiple of n_kv_heads={self.n_kv_heads}, got {self.n_heads}")
         if self.capacity and self.capacity < max(self.lens):
             raise ValueError(f"capacity: expected >= max(lens)={max(self.lens)}, got {self.capacity}")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens: expected an int >= 1, got {self.num_tokens}")
         config_for("sm90", self.head_dim, *self.dtypes, self.head_dim_v or None)  # ValueError: no kernel
 
     @property
@@ -69,7 +72,8 @@ class Problem:
         )
         dims = f"{self.head_dim}/{self.head_dim_v}" if self.latent else str(self.head_dim)
         fp8 = " fp8" if self.elem_size == 1 else ""
-        return f"B={len(self.lens)} Hq={self.n_heads} Hkv={self.n_kv_heads} D={dims}{fp8} {lens}"
+        tokens = f" Tq={self.num_tokens}" if self.num_tokens > 1 else ""
+        return f"B={len(self.lens)}{tokens} Hq={self.n_heads} Hkv={self.n_kv_heads} D={dims}{fp8} {lens}"
 
 
 # Flag bounds: beyond every model's context and head count, and small enough that the schedule's
@@ -137,6 +141,30 @@ def deterministic_sweep_cases() -> list[tuple[str, int, int, Problem]]:
     ]
     paper = list(dict.fromkeys(paper_problems()))
     return tp8 + [("paper", len(p.lens), p.lens[0] if len(set(p.lens)) == 1 else 0, p) for p in paper]
+
+
+# --deterministic-sweep's verification table: speculative verification of Tq tokens in the
+# batch-invariant mode against the default mode, on a TP-8 rank (one KV head) of each GQA group and
+# on DeepSeek-V3's MLA rank (16 heads), at one and sixteen sequences of 4k and 32k keys.
+VERIFY_GROUPS = (1, 4, 8, 16)
+VERIFY_TOKENS = (2, 4, 8, 16)
+VERIFY_BATCHES = (1, 16)
+VERIFY_CONTEXTS = (4096, 32768)
+
+
+def verification_sweep_cases() -> list[tuple[str, int, int, int, Problem]]:
+    """(shape, Tq, batch, context, problem) of the verification table: GQA groups over one KV head
+    (D=128) and DeepSeek-V3's MLA rank, every Tq, batch and context."""
+    dqk, dv = MLA_DIMS
+    shapes = [(f"group {g}", dict(n_heads=g, n_kv_heads=1)) for g in VERIFY_GROUPS]
+    shapes.append(("MLA 16", dict(n_heads=MLA_HEADS // 8, n_kv_heads=1, head_dim=dqk, head_dim_v=dv)))
+    return [
+        (name, tq, b, n, Problem((n,) * b, num_tokens=tq, **dims))
+        for name, dims in shapes
+        for tq in VERIFY_TOKENS
+        for b in VERIFY_BATCHES
+        for n in VERIFY_CONTEXTS
+    ]
 
 
 CP_GPU_COUNTS = (8, 16)

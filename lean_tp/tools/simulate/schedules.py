@@ -103,18 +103,22 @@ def flex_splits(problem: Problem, sms: int) -> int:
 
 
 def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False) -> KernelVariant:
-    """The kernel variant ``problem`` launches on ``gpu``: a contiguous cache, one query token."""
+    """The kernel variant ``problem`` launches on ``gpu``: a contiguous cache, ``problem.num_tokens``
+    query tokens."""
     group = problem.n_heads // problem.n_kv_heads
     dtype, fp8 = problem.dtypes
+    features = Features(num_tokens=problem.num_tokens, fp8=fp8, batch_invariant=batch_invariant, v_in_k=problem.latent)
     return KernelVariant(
-        gpu.arch,
-        dtype,
-        problem.head_dim,
-        group,
-        None,
-        Features(fp8=fp8, batch_invariant=batch_invariant, v_in_k=problem.latent),
-        head_dim_v=problem.head_dim_v or None,
+        gpu.arch, dtype, problem.head_dim, group, None, features, head_dim_v=problem.head_dim_v or None
     )
+
+
+def schedule_lens(problem: Problem, variant: KernelVariant) -> list[int]:
+    """Lengths of the schedule's sequences: the problem's, or, when the variant schedules each query
+    token as a sequence of its own (``KernelVariant.seq_tokens``), each token's keys up to its own
+    (``launch_args.token_lengths``)."""
+    tq = variant.seq_tokens
+    return [max(n - (tq - 1 - t), 0) for n in problem.lens for t in range(tq)]
 
 
 def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
@@ -166,8 +170,9 @@ def lean_sim_schedule(
     per_sm = programs_per_sm or config.max_programs_per_sm
     head_units, tile = problem.n_kv_heads * cx["NUM_GC"], config.tile_n
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = schedule_lens(problem, variant)
     programs = lean_schedule(
-        torch.tensor(problem.lens, dtype=torch.int32, device=device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
         head_units,
         tile,
         gpu.sms * per_sm,
@@ -179,10 +184,7 @@ def lean_sim_schedule(
     bytes_per_token = problem.bytes_per_token
     work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
     seg_bytes = [
-        [
-            (min(problem.lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token
-            for s in segments
-        ]
+        [(min(lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token for s in segments]
         for segments in programs
     ]
     clocks = [
@@ -199,7 +201,8 @@ def lean_sim_schedule(
             seg_end[(p, s.slot)] = gpu.hbm_latency_us + clocks[sm](done)
     kv_end = max(seg_end.values(), default=0.0)
     # A partial's real rows (masked padding rows move no bytes): fp32 acc, m and l.
-    partial = min(problem.n_heads // problem.n_kv_heads, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
+    rows = problem.num_tokens // variant.seq_tokens * (problem.n_heads // problem.n_kv_heads)
+    partial = min(rows, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
     plan = merge_plan(programs)
     if batch_invariant:
         end, chain = _invariant_merges(programs, seg_end, kv_end, partial, cx["WAVE"], gpu)
@@ -242,8 +245,9 @@ def _invariant_merges(
     is ready when its holders' segments end (one holder: in registers; several: its last holder
     folds the first holder's fold and each later chunk); a supergroup of
     ``INVARIANT_SUPER_GROUPS`` groups when its groups are, then folded from the workspace; an output
-    of several supergroups folds their values. A one-program output of one supergroup folds in
-    registers, and a supergroup of one split group is the value its last holder folded."""
+    of several supergroups folds their values. A one-program output of one supergroup keeps its
+    last group in registers and, after its K/V loop, folds the others from the workspace, where
+    its loop stored them; a supergroup of one split group is the value its last holder folded."""
     pieces: dict[tuple[int, int], list[tuple[int, int, int, float]]] = {}
     for p, segments in enumerate(programs):
         for s in segments:
@@ -252,6 +256,10 @@ def _invariant_merges(
     for held in pieces.values():
         n = max(first + n_tiles for first, n_tiles, _, _ in held)
         if len(held) == 1 and n <= INVARIANT_GROUP_CHUNKS * INVARIANT_SUPER_GROUPS:
+            stored = math.ceil(n / INVARIANT_GROUP_CHUNKS) - 1
+            if stored:  # the stored groups' round trip, then their loads
+                finish = held[0][3] + gpu.l2_latency_us + _merge_level_us(stored, wave, partial, gpu, False)
+                end, chain = max(end, finish), max(chain, stored + 1)
             continue
         groups = [
             _group_ready(held, g0, min(g0 + INVARIANT_GROUP_CHUNKS, n), partial, wave, gpu)

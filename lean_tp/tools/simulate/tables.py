@@ -10,7 +10,7 @@ from lean_tp.tools.gpus import GPUS, GPUS_PER_NODE, LINKS, GPUModel
 from lean_tp.tools.processes import map_in_processes
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_MODES, deterministic_schedules
 from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
-from lean_tp.tools.simulate.schedules import Schedule, simulate
+from lean_tp.tools.simulate.schedules import Schedule, lean_sim_schedule, simulate
 
 
 def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict:
@@ -60,6 +60,27 @@ def deterministic_table_rows(problem: Problem, gpus: list[str], programs_per_sm:
         for engine in ENGINE_MODES:
             row[f"{engine}_over_invariant"] = result[engine].time_us / invariant if invariant else None
         rows.append(row)
+    return rows
+
+
+def verification_table_rows(problem: Problem, gpus: list[str], programs_per_sm: int | None = None) -> list[dict]:
+    """``--deterministic-sweep``'s verification rows: a Tq-token verification in lean's default and
+    batch-invariant modes (the latter decodes each token as a sequence of its own over its keys, so
+    it reads the keys once per token), the invariant's time over the default's."""
+    rows = []
+    for name in gpus:
+        default = lean_sim_schedule(problem, GPUS[name], programs_per_sm)
+        invariant = lean_sim_schedule(problem, GPUS[name], programs_per_sm, batch_invariant=True)
+        rows.append(
+            {
+                "gpu": name,
+                "problem": problem.describe(),
+                "kv_mb": problem.kv_bytes / 1e6,
+                "lean_us": default.time_us,
+                "lean_invariant_us": invariant.time_us,
+                "invariant_over_lean": invariant.time_us / default.time_us if default.time_us else None,
+            }
+        )
     return rows
 
 
@@ -242,8 +263,10 @@ def format_deterministic_report(rows: list[dict]) -> str:
         "| GPU | mode | over lean invariant | lean invariant faster (> 1.01x) | within 1% | slower (< 0.99x) |",
         "|---|---|---|---|---|---|",
     ]
-    for gpu in sorted({r["gpu"] for r in rows}):
-        mine = [r for r in rows if r["gpu"] == gpu]
+    engines = [r for r in rows if r.get("table") != "verification"]
+    verification = [r for r in rows if r.get("table") == "verification"]
+    for gpu in sorted({r["gpu"] for r in engines}):
+        mine = [r for r in engines if r["gpu"] == gpu]
         ratios = {"lean default (invariant / lean)": [r["invariant_over_lean"] for r in mine]}
         ratios |= {ENGINE_NAMES[e]: [r[f"{e}_over_invariant"] for r in mine] for e in ENGINE_MODES}
         for name, values in ratios.items():
@@ -255,7 +278,47 @@ def format_deterministic_report(rows: list[dict]) -> str:
             ]
             shares = " | ".join("-" if name.startswith("lean") else f"{n} of {len(values)}" for n in counts)
             lines.append(f"| {gpu} | {name} | {_range(values)} | {shares} |")
-    return "\n".join([*lines, "", format_deterministic_table(rows)])
+    lines += ["", format_deterministic_table(engines)]
+    if verification:
+        lines += ["", *format_verification(verification)]
+    return "\n".join(lines)
+
+
+def format_verification(rows: list[dict]) -> list[str]:
+    """The verification table's lines: per GPU, shape and Tq, the range of lean invariant's time over
+    lean default's, then every row."""
+    lines = [
+        "## Speculative verification in the batch-invariant mode",
+        "",
+        "Each query token of a Tq-token verification is decoded as a sequence of its own over the keys up to "
+        "its own, so that its bits are those of its one-token decode (docs/design.md); it reads the keys once "
+        "per token where the default mode reads them once per row block. Every read is charged at HBM "
+        "bandwidth: re-reads that another program's read of the same keys leaves in L2 are not credited, so "
+        "the ratios are upper bounds. Shapes: a TP-8 rank (one KV head, D=128) of each GQA group and "
+        "DeepSeek-V3's MLA rank (16 heads, 576/512), one and sixteen sequences of 4k and 32k keys.",
+        "",
+        "| GPU | shape | Tq | invariant / default |",
+        "|---|---|---|---|",
+    ]
+    keys = dict.fromkeys((r["gpu"], r["shapes"], r["tq"]) for r in rows)
+    for gpu, shape, tq in keys:
+        values = [
+            r["invariant_over_lean"]
+            for r in rows
+            if (r["gpu"], r["shapes"], r["tq"]) == (gpu, shape, tq) and r["invariant_over_lean"] is not None
+        ]
+        lines.append(f"| {gpu} | {shape} | {tq} | {_range(values)} |")
+    lines += [
+        "",
+        "| GPU | shape | problem | default us | invariant us | invariant / default |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['gpu']} | {r['shapes']} | {r['problem']} | {r['lean_us']:.1f} | {r['lean_invariant_us']:.1f} "
+        f"| {_ratio(r['invariant_over_lean'])} |"
+        for r in rows
+    ]
+    return lines
 
 
 def _range(values: list[float]) -> str:
