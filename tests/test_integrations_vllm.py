@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import SpeculativeConfig, VllmConfig  # noqa: E402
+from helpers import engine_names  # noqa: E402
+from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
@@ -36,6 +37,37 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 @pytest.fixture(scope="module")
 def vllm_config():
     return VllmConfig()
+
+
+def engine_config(path: str, config) -> VllmConfig:
+    """vLLM's config as an engine builds it for a model whose Hugging Face ``config`` is saved
+    under ``path`` (no weights, no tokenizer): what the GPU delegates' builders read (heads, head
+    size, dtype), which a bare ``VllmConfig()`` lacks."""
+    config.save_pretrained(path)
+    return VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16"))
+
+
+def test_gpu_classes_build_from_an_engines_config(tmp_path, monkeypatch):
+    """The Triton delegates lean builds on GPUs (forced here) construct from the config
+    tests/gpu/test_vllm_cuda.py uses, a 32-head, 4-KV-head, 128-dim Llama's, so a GPU run reaches
+    lean's code rather than stopping in the delegate's set-up."""
+    from transformers import LlamaConfig
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
+
+    config = engine_config(str(tmp_path), LlamaConfig(**GPU_TEST_MODEL))
+    monkeypatch.setattr(lean_backend, "_triton_delegate", lambda: True)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    with set_current_vllm_config(config):
+        builder = LeanAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device("cpu"))
+        impl = LeanAttentionImpl(32, 128, 128**-0.5, 4, None, None, "auto", None)
+    assert type(builder.delegate) is TritonAttentionMetadataBuilder and type(impl.delegate) is TritonAttentionImpl
+
+
+# The model tests/gpu/test_vllm_cuda.py configures: the heads and head size its batches use.
+GPU_TEST_MODEL = dict(
+    vocab_size=512, hidden_size=512, intermediate_size=256, num_hidden_layers=1, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128,
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -594,3 +626,24 @@ def test_default_mode_keeps_the_leading_query_length_on_lean(vllm_config, lean_c
     check(forward(case), case.ref, torch.float32)
     assert (case.metadata.num_decodes, case.metadata.groups, case.metadata.prefill_start) == (1, [], 1)
     assert lean_calls == [(1, 4, 32)]
+
+
+# lean's own members of its vLLM classes: none overrides a vLLM method of the same name (vLLM's
+# layers call ``do_kv_cache_update`` on their impl; 0.33 adds ``reserve_workspace`` to the MLA base).
+VLLM_OWN = {
+    "LeanAttentionMetadataBuilder._decode_split", "LeanAttentionMetadataBuilder._invariant_split",
+    "LeanAttentionImpl._kv_views", "LeanAttentionImpl._scales", "LeanAttentionImpl._features",
+    "LeanAttentionImpl.do_kv_cache_update", "LeanAttentionImpl._decode", "LeanMLADecodeMetadata.groups",
+}  # fmt: skip
+
+
+def test_every_vllm_name_lean_uses_is_vllms():
+    """Every vLLM name lean_tp imports resolves in the installed vLLM's sources, and every member
+    of lean's vLLM classes overrides one of vLLM's but lean's own, above: a method vLLM renamed
+    would show up among them (scripts/check_engine_names.py; docs/vllm.md records 0.33)."""
+    rows = engine_names("vllm")
+    assert [name for kind, name, _ in rows if kind == "missing"] == []
+    own = {name for kind, name, _ in rows if kind == "own"} - {
+        "LeanMLAImpl.reserve_workspace", "LeanCPUMLAImpl.reserve_workspace"
+    }  # fmt: skip
+    assert own == VLLM_OWN

@@ -4,6 +4,7 @@ reference of the op (V the first 512 columns of each latent row). Needs vLLM (CI
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from types import SimpleNamespace
@@ -13,16 +14,28 @@ import torch
 
 pytest.importorskip("vllm")
 
+from test_integrations_vllm import engine_config  # noqa: E402
+from transformers import DeepseekV2Config  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
+    MLAAttention,
+    MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
 )
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm_generate import SMALL_MLA  # noqa: E402
 
 import lean_tp.integrations.vllm as lean_vllm  # noqa: E402
 from lean_tp.integrations.vllm import mla as lean_mla  # noqa: E402
-from lean_tp.integrations.vllm.mla import LeanCPUMLAImpl, LeanMLABackend, LeanMLAMetadataBuilder  # noqa: E402
+from lean_tp.integrations.vllm.mla import (  # noqa: E402
+    LeanCPUMLAImpl,
+    LeanMLABackend,
+    LeanMLAImpl,
+    LeanMLAMetadataBuilder,
+)
 from lean_tp.ops.decode_attention import decode_attention_ref  # noqa: E402
 
 RANK, ROPE, HEADS, BLOCK = 512, 64, 16, 16
@@ -151,7 +164,70 @@ def test_registration_in_place_of_cpu_mla(monkeypatch):
         assert AttentionBackendEnum["CPU_MLA"].get_class() is LeanMLABackend
     assert AttentionBackendEnum["CPU_MLA"].get_class() is not LeanMLABackend
     with pytest.raises(ValueError, match="logits_soft_cap: expected None for the LEAN_MLA backend"):
-        lean_mla._check_layer(None, None, 30.0, AttentionType.DECODER)
+        lean_mla._check_layer(None, None, 30.0, AttentionType.DECODER, "auto")
+
+
+@pytest.fixture(scope="module")
+def deepseek_config(tmp_path_factory):
+    """vLLM's config for a small DeepSeek-V2 (16 heads, rank 512 + rope 64), as an engine builds it."""
+    return engine_config(str(tmp_path_factory.mktemp("deepseek_v2")), DeepseekV2Config(**SMALL_MLA))
+
+
+_LAYER_IDS = itertools.count()  # vLLM refuses a second layer of one name in a config
+
+
+def _mla_layer(config, monkeypatch, kv_cache_dtype: str = "auto") -> MLAAttention:
+    """vLLM's MLA layer of ``config``'s model with LEAN_MLA's GPU impl (``LeanMLAImpl``), as a GPU
+    engine builds it (on CPU vLLM would pick the CPU impl)."""
+    monkeypatch.setattr(LeanMLABackend, "get_impl_cls", staticmethod(lambda: LeanMLAImpl))
+    config.cache_config.cache_dtype = kv_cache_dtype
+    kv_b_proj = torch.nn.Linear(RANK, HEADS * (SMALL_MLA["qk_nope_head_dim"] + SMALL_MLA["v_head_dim"]), bias=False)
+    with set_current_vllm_config(config):
+        return MLAAttention(
+            HEADS, SCALE, SMALL_MLA["qk_nope_head_dim"], ROPE, SMALL_MLA["v_head_dim"], None, RANK, kv_b_proj,
+            cache_config=config.cache_config, prefix=f"model.layers.{next(_LAYER_IDS)}.self_attn.attn", attn_backend=LeanMLABackend,
+        )  # fmt: skip
+
+
+def test_gpu_impl_serves_the_profile_run_and_decodes(deepseek_config, monkeypatch):
+    """The GPU impl in vLLM's MLA layer, built from an engine's config: it takes its attributes from
+    MLACommonImpl alone (not Triton MLA's ``__init__``); the profile run (no metadata; vLLM 0.33
+    calls ``impl.reserve_workspace()`` there) writes zeros and claims no scratch; forward_mqa
+    decodes against float64."""
+    monkeypatch.setattr(deepseek_config.cache_config, "cache_dtype", "auto")
+    layer = _mla_layer(deepseek_config, monkeypatch)
+    impl = layer.impl
+    assert type(impl) is LeanMLAImpl and TritonMLAImpl not in type(impl).__mro__ and isinstance(impl, MLACommonImpl)
+    q = torch.randn(3, HEADS, SMALL_MLA["qk_nope_head_dim"] + ROPE)
+    output = torch.full((3, HEADS * SMALL_MLA["v_head_dim"]), float("nan"))
+    with set_current_vllm_config(deepseek_config):
+        layer.forward_impl(q, torch.randn(3, RANK), torch.randn(3, 1, ROPE), torch.empty(0), None, output)
+    assert torch.equal(output, torch.zeros_like(output))
+    assert impl.reserve_workspace() is None
+    lens = [1, 16, 33]
+    q, cache, decode = _decode_batch(lens, 1, torch.bfloat16, seed=21)
+    out, _ = impl.forward_mqa(q, cache, SimpleNamespace(decode=decode), layer)
+    torch.testing.assert_close(out.double(), _reference(q, cache, decode, 1)[0], atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_e5m2_latent_caches_are_refused(deepseek_config, monkeypatch):
+    """vLLM's MLA forward views every fp8 cache as e4m3: an e5m2 latent cache is refused when the
+    layer is built, and the GPU backend does not list it."""
+    monkeypatch.setattr(deepseek_config.cache_config, "cache_dtype", "auto")
+    assert "fp8_e5m2" not in lean_mla.MLA_CACHE_DTYPES and "fp8_e4m3" in lean_mla.MLA_CACHE_DTYPES
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of .* for the LEAN_MLA backend, got 'fp8_e5m2'"):
+        _mla_layer(deepseek_config, monkeypatch, "fp8_e5m2")
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_prefix_caching_goes_off_in_the_batch_invariant_mode(deepseek_config, monkeypatch, invariant):
+    """Under VLLM_BATCH_INVARIANT=1 building a LEAN_MLA layer turns prefix caching off, as vLLM
+    does for Triton MLA, whose prefill path it shares; otherwise it stays on."""
+    monkeypatch.setattr(deepseek_config.cache_config, "cache_dtype", "auto")
+    monkeypatch.setattr(deepseek_config.cache_config, "enable_prefix_caching", True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if invariant else "0")
+    _mla_layer(deepseek_config, monkeypatch)
+    assert deepseek_config.cache_config.enable_prefix_caching is not invariant
 
 
 def _builder(monkeypatch, threshold: int) -> LeanMLAMetadataBuilder:

@@ -13,13 +13,18 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (python scripts/gpu_check.py runs it on a GPU)", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from test_integrations_vllm import check, forward, make_case  # noqa: E402
-from vllm.config import VllmConfig  # noqa: E402
+from test_integrations_vllm import GPU_TEST_MODEL, check, engine_config, forward, make_case  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def vllm_config():
-    return VllmConfig()
+def vllm_config(tmp_path_factory):
+    """An engine's config for a Llama with the heads and head size below: the Triton delegate's
+    builder reads them (test_gpu_classes_build_from_an_engines_config builds it on CPU)."""
+    config = engine_config(str(tmp_path_factory.mktemp("llama")), LlamaConfig(**GPU_TEST_MODEL))
+    with set_current_vllm_config(config):
+        yield config
 
 
 DECODES = [(c, 1) for c in (0, 1, 15, 16, 17, 3000)]

@@ -8,9 +8,9 @@ and runs ``forward_mqa`` on lean, the cache passed as K and its first ``kv_lora_
 V (a view: the kernel reads each latent row once for both products). Decode requests share one
 query length (vLLM's uniform split), except under ``VLLM_BATCH_INVARIANT=1``, where every leading
 request of up to the reorder threshold's tokens is a decode and each length runs as one lean call.
-The impl is vLLM's Triton MLA's on GPUs (its prefill path) and its CPU MLA's on CPU, where vLLM
-always picks ``CPU_MLA``, so ``LEAN_MLA`` runs in its place
-(``lean_tp.integrations.vllm.in_place_of("CPU_MLA")``).
+The impl is vLLM's MLA common impl on GPUs (the prefill path Triton MLA runs; metadata from
+``MLACommonMetadataBuilder``) and its CPU MLA's on CPU, where vLLM always picks ``CPU_MLA``, so
+``LEAN_MLA`` runs in its place (``lean_tp.integrations.vllm.in_place_of("CPU_MLA")``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import ClassVar
 
 import torch
 from vllm import envs
+from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
     MLACommonDecodeMetadata,
@@ -31,15 +33,19 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
 from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, LeanGroup, lean_groups, op_backend
 from lean_tp.ops.decode_attention import decode_attention
 from lean_tp.ops.decode_attention.checks import max_query_tokens
 
+logger = init_logger(__name__)
+
 NAME_MLA = "LEAN_MLA"
 # The latent row the kernel has a tuning entry for (kv_lora_rank 512 + 64 rope dims).
 MLA_HEAD_SIZES = [576]
+# Latent caches on GPUs: vLLM's MLA forward views every fp8 cache as e4m3 (Triton MLA's set), so an
+# e5m2 cache would be read as e4m3 bytes.
+MLA_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
 
 
 def lean_forward_mqa(
@@ -100,17 +106,19 @@ def _mqa(impl, q, kv_cache, seq_lens, block_table, causal: bool, layer) -> tuple
     return out.view(rows, heads, -1), lse.view(rows, heads)
 
 
-class LeanMLAImpl(TritonMLAImpl):
-    """GPU: vLLM's Triton MLA impl (its prefill) with decode on lean. fp8 latent caches run on
-    sm_80 too (the kernel converts e4m3 by hand there), so Triton MLA's sm_89 check is skipped."""
+class LeanMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    """GPU: vLLM's MLA common impl (its prefill path, as Triton MLA runs it) with decode on lean.
+    Every attribute lean reads is set here, so no parent's ``__init__`` matters beyond
+    ``MLACommonImpl``'s. fp8 latent caches (e4m3) run on sm_80 too: the kernel converts e4m3 by
+    hand there."""
 
     supports_dcp: bool = False
     can_return_lse_for_decode: bool = True
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:  # fmt: skip
-        MLACommonImpl.__init__(
-            self,
+        _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_cache_dtype)
+        super().__init__(
             num_heads,
             head_size,
             scale,
@@ -123,10 +131,18 @@ class LeanMLAImpl(TritonMLAImpl):
             kv_sharing_target_layer_name,
             **mla_args,
         )
-        _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type)
         if kv_cache_dtype in FP8_CACHE_DTYPES:
             self.supports_quant_query_input = False  # bf16 q against the fp8 latent rows
         self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+        _no_prefix_caching_when_invariant(self.batch_invariant)
+
+    def reserve_workspace(self) -> None:
+        """The profile run's claim (vLLM 0.33 calls it with no metadata): none. Lean's workspace
+        is sized by the grid, 64 KB a slot of 16 rows x 512 fp32 (``alloc_workspace``): 2 slots a
+        program by default, 8.4 MB for an H100's 132 programs, and 8 a program and more in the
+        batch-invariant mode. It is allocated per call from torch's caching allocator, out of the
+        memory vLLM keeps outside the KV cache. Triton MLA's split-KV scratch, which its
+        ``reserve_workspace`` claims, lean never uses."""
 
     forward_mqa = lean_forward_mqa
 
@@ -137,12 +153,33 @@ class LeanCPUMLAImpl(CPUMLAImpl):
     def __init__(self, *args, **mla_args) -> None:
         super().__init__(*args, **mla_args)
         self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+        _no_prefix_caching_when_invariant(self.batch_invariant)
+
+    def reserve_workspace(self) -> None:
+        """No scratch to claim in the profile run (see ``LeanMLAImpl.reserve_workspace``)."""
 
     forward_mqa = lean_forward_mqa
 
 
-def _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type) -> None:
-    """MLA layers as DeepSeek's: decoder self-attention with none of alibi, window or softcap."""
+def _no_prefix_caching_when_invariant(batch_invariant: bool) -> None:
+    """Under ``VLLM_BATCH_INVARIANT=1`` prefix caching goes off, as vLLM turns it off for Triton MLA
+    by name: MLA's prefill over a cached prefix attends the prefix and the new tokens apart and
+    merges the two, so a prompt's bits would depend on whether another request cached its prefix.
+    Lean's decode does not depend on it; the prefill path it shares with Triton MLA does."""
+    config = get_current_vllm_config_or_none() if batch_invariant else None  # an engine builds layers under one
+    cache_config = None if config is None else config.cache_config
+    if cache_config is not None and cache_config.enable_prefix_caching:
+        logger.warning_once(f"Disabling prefix caching for {NAME_MLA} with batch invariance (MLA prefill).")
+        cache_config.enable_prefix_caching = False
+
+
+def _check_layer(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_cache_dtype: str) -> None:
+    """MLA layers as DeepSeek's: decoder self-attention with none of alibi, window or softcap, over
+    a 16-bit or e4m3 latent cache (vLLM's MLA layer views every fp8 cache as e4m3)."""
+    if kv_cache_dtype not in MLA_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: expected one of {MLA_CACHE_DTYPES} for the {NAME_MLA} backend, got {kv_cache_dtype!r}"
+        )
     given = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     for name, value in given.items():
         if value:
@@ -200,9 +237,7 @@ class LeanMLABackend(MLACommonBackend):
         [torch.float16, torch.bfloat16, torch.float32] if current_platform.is_cpu() else [torch.float16, torch.bfloat16]
     )
     # vLLM's CPU MLA cache write stores the model's dtype only.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = (
-        ["auto"] if current_platform.is_cpu() else ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
-    )
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"] if current_platform.is_cpu() else list(MLA_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
