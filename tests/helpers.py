@@ -135,3 +135,18 @@ def run_kernel(inputs: dict, counters: torch.Tensor | None = None, **plan_option
         lse=lse,
         workspace=workspace,
     )
+
+
+def engine_names(engine: str) -> list[tuple[str, str, str]]:
+    """``scripts/check_engine_names.py``'s report for the installed ``engine`` ("vllm", "sglang"):
+    (kind, name, where) for each engine import and each member of a lean class with an engine base."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_engine_names.py"
+    spec = importlib.util.spec_from_file_location("check_engine_names", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    root = Path(importlib.import_module(engine).__file__).resolve().parent.parent
+    return module.report(engine, root)
