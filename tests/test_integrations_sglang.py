@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("sglang.srt.layers.attention.attention_registry")
 
+from helpers import engine_names  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
@@ -522,3 +523,185 @@ def test_sglang_op_backend_setting_is_checked(monkeypatch):
     monkeypatch.setenv(lean_backend.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="LEAN_TP_SGLANG_BACKEND: expected one of"):
         lean_sglang.create_backend(fixture.runner)
+
+
+# -- what SGLang's GPU runners reach ----------------------------------------------------------------
+
+
+def _triton_delegate(monkeypatch):
+    """lean's delegate as on GPUs, SGLang's Triton backend, whose kernels run in the interpreter here."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    monkeypatch.setattr(lean_backend, "_delegate", lambda runner, on_gpu: TritonAttnBackend(runner))
+
+
+def test_sglang_mla_kv_scale_is_stored_and_read_as_the_triton_delegate_does(monkeypatch):
+    """A checkpoint KV scale of 2 on an MLA layer: SGLang's Triton backend, lean's prefill
+    delegate on GPUs, writes the extend's latent rows as k / 2; lean's decode of each request's
+    last token over the same pool reads rows times 2, against float64 and against the delegate's
+    own extend output for that token."""
+    if not INTERPRETED:
+        pytest.skip("SGLang's Triton backend runs on CPU under TRITON_INTERPRET=1 only")
+    _triton_delegate(monkeypatch)
+    case = next(c for c in MLA_CASES if c.name == "mla_extend_page_size_1")  # prefixes 2, 4; extends 3, 1
+    fixture = mla_kit.build_mla_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32, **MLA_DIMS)
+    backend, batch = fixture.backend, fixture.forward_batch
+    layer = mla_kit.mla_attention_layers(fixture)[0]
+    layer.k_scale = layer.v_scale = torch.tensor(2.0)
+    layer.k_scale_float = layer.v_scale_float = 2.0
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads = case.num_input_tokens, case.num_heads
+    q = torch.randn(tokens, heads * 576, generator=gen)
+    k = torch.randn(tokens, 1, 576, generator=gen)
+    backend.init_forward_metadata(batch)
+    extend_out = backend.forward_extend(q, k, k[..., :512], layer, batch)
+    pool = fixture.runner.token_to_kv_pool
+    torch.testing.assert_close(pool.get_key_buffer(0)[batch.out_cache_loc], k / 2, atol=0, rtol=0)
+    # Each request's last token as a decode over the pool the delegate wrote (its row included).
+    last = batch.extend_start_loc + batch.extend_seq_lens - 1
+    decode = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, seq_lens=batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+        req_pool_indices=batch.req_pool_indices, spec_info=None,
+    )  # fmt: skip
+    backend.init_forward_metadata(decode)
+    out = backend.forward_decode(q[last], None, None, layer, decode, save_kv_cache=False)
+    rows = fixture.runner.req_to_token_pool.req_to_token[batch.req_pool_indices.long()]
+    lens = batch.seq_lens.tolist()
+    latent = [pool.get_key_buffer(0)[rows[b, :n].long()].double().squeeze(1) * 2 for b, n in enumerate(lens)]
+    for b, (n, t) in enumerate(zip(lens, last.tolist())):
+        qb = q[t].view(heads, 576).double()
+        p = torch.softmax(qb @ latent[b].transpose(0, 1) * layer.scaling, dim=-1)
+        torch.testing.assert_close(out[b].view(heads, 512).double(), p @ latent[b][:, :512], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out, extend_out[last], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "LlamaForCausalLM"])
+def test_sglang_deterministic_inference_keeps_the_radix_cache(tmp_path, arch):
+    """SGLang's start-up check of ``--enable-deterministic-inference`` with ``lean``: a DeepSeek
+    (absorbed MLA) model is accepted, and the radix cache stays on, for it and for a Llama."""
+    from sglang.srt.arg_groups.attention_hook import handle_deterministic_inference, resolved_view
+    from sglang.srt.server_args import ServerArgs
+    from transformers import DeepseekV2Config, LlamaConfig
+    from vllm_generate import SMALL, SMALL_MLA
+
+    config = DeepseekV2Config(**SMALL_MLA) if arch.startswith("Deepseek") else LlamaConfig(**SMALL)
+    config.architectures = [arch]
+    config.save_pretrained(tmp_path)
+    args = ServerArgs(
+        model_path=str(tmp_path), attention_backend=NAME, device="cpu", enable_deterministic_inference=True
+    )
+    handle_deterministic_inference(args)
+    assert not resolved_view(args).disable_radix_cache
+
+
+def test_sglang_speculative_hooks_answer_as_the_eagle_workers_call_them(monkeypatch):
+    """What the EAGLE workers read from the target's backend: ``verify_mask`` (the delegate's:
+    lean's chain verification reads none), ``max_context_len`` (sizing a mask when the batch's
+    seq_lens_sum is unknown) and ``update_verify_buffers_to_fill_after_draft`` (the overlap plan
+    stream), with the torch-native delegate and with the Triton one."""
+    runner = _fixture(16, 8, 2, [3, 40]).runner
+    native = lean_sglang.create_backend(runner)
+    assert native.verify_mask is None and native.max_context_len == runner.model_config.context_len
+    native.update_verify_buffers_to_fill_after_draft(None, None)
+    _triton_delegate(monkeypatch)
+    triton = lean_sglang.create_backend(runner)
+    updates = []
+    monkeypatch.setattr(triton.delegate, "update_verify_buffers_to_fill_after_draft", lambda *a: updates.append(a))
+    assert triton.triton_delegate and triton.verify_mask is triton.delegate.verify_mask
+    triton.update_verify_buffers_to_fill_after_draft("spec", 8)
+    assert updates == [("spec", 8)]
+
+
+@pytest.mark.parametrize("name", ["score_mod", "aux_tensors"])
+def test_sglang_refuses_score_modifiers_on_lean_and_passes_them_to_prefill(name, lean_calls, monkeypatch):
+    """A score modifier on a decode is refused, naming it (the op has none); on a prefill it goes to
+    the delegate with the forward's other keywords."""
+    fixture = _fixture(16, 8, 2, [3, 40])
+    layer = RadixAttention(8, 64, 0.125, 2, layer_id=0)
+    q, k, v = (torch.randn(2, h, 64).half() for h in (8, 2, 2))
+    backend = fixture.backend
+    backend.init_forward_metadata(fixture.forward_batch)
+    with pytest.raises(ValueError, match=f"{name}: expected None for the lean backend's decode"):
+        backend.forward_decode(q, k, v, layer, fixture.forward_batch, **{name: object()})
+    backend.forward_metadata = None  # a prefill's forward: the delegate's
+    passed = []
+    monkeypatch.setattr(backend.delegate, "forward_extend", lambda *a, **kw: passed.append(kw))
+    backend.forward_extend(q, k, v, layer, fixture.forward_batch, **{name: "modifier"})
+    assert passed == [{name: "modifier"}] and not lean_calls
+
+
+@pytest.mark.parametrize("glue", [False, True])
+def test_sglang_graph_tables_under_the_metadata_glue_graph(glue, monkeypatch, lean_calls):
+    """SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 records init_forward_metadata_out_graph into a graph: the
+    columns lean fills there are then the whole table (a width from host lengths would be frozen),
+    and the decode still matches float64; without it they are the batch's longest request's."""
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1" if glue else "0")
+    fixture = _fixture(16, 8, 2, [3, 40])
+    fixture.forward_batch.seq_lens_cpu = fixture.forward_batch.seq_lens.cpu()  # as SGLang's scheduler keeps it
+    backend = lean_sglang.create_backend(fixture.runner)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    backend.graph.block_table.fill_(-7)
+    backend.init_forward_metadata_out_graph(fixture.forward_batch, in_capture=True)
+    filled = int((backend.graph.block_table[:2] != -7).all(0).sum())
+    assert filled == (backend.max_pages if glue else 3) and backend.max_pages > 3
+    layer = RadixAttention(8, 64, 0.125, 2, layer_id=0)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 64, generator=gen).half() for h in (8, 2, 2))
+    out = backend.forward(q, k, v, layer, fixture.forward_batch)
+    torch.testing.assert_close(out.double(), _reference(fixture, q, layer, 1), atol=TOL[torch.float16], rtol=0)
+
+
+@pytest.mark.parametrize("topk,drafts,needed", [(None, None, False), (1, 4, False), (4, 8, True), (1, 40, True)])
+def test_sglang_triton_delegate_graph_state_only_where_it_replays(topk, drafts, needed, monkeypatch):
+    """The Triton delegate's CUDA-graph state (split-KV logits: gigabytes for MLA) is set up only
+    when a captured forward can reach it: a tree verification or more drafts than lean takes. A
+    captured mode lean did not foresee sets it up before its first capture."""
+    from sglang.srt.runtime_context import get_spec
+
+    runner = _fixture(16, 8, 2, [3, 40]).runner
+    _triton_delegate(monkeypatch)
+    backend = lean_sglang.create_backend(runner)
+    algorithm = "EAGLE" if drafts else None
+    with get_spec().override(
+        speculative_algorithm=algorithm, speculative_eagle_topk=topk, speculative_num_draft_tokens=drafts
+    ):
+        assert backend.delegate_replays_graphs() is needed
+        states = []
+        monkeypatch.setattr(backend.delegate, "init_cuda_graph_state", lambda *a: states.append(a))
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+        assert states == ([(4, 4)] if needed else [])
+        monkeypatch.setattr(backend.delegate, "init_forward_metadata_out_graph", lambda *a: None)
+        backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=ForwardMode.EXTEND), True)
+        assert states == [(4, 4)]
+
+
+def test_sglang_decode_under_torch_compile(op_backend, lean_calls):
+    """``--enable-torch-compile`` traces the model's forward with dynamo: lean's decode, the KV
+    write included, traces as one graph (the op is a torch.library op with a fake), so no
+    ``torch.compiler.disable`` is needed, and gives the eager bits."""
+    fixture = _fixture(16, 8, 2, [3, 40, 100])
+    layer = RadixAttention(8, 64, 0.125, 2, layer_id=0)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, h, 64, generator=gen).half() for h in (8, 2, 2))
+    backend, batch = fixture.backend, fixture.forward_batch
+    backend.init_forward_metadata(batch)
+    eager = backend.forward(q, k, v, layer, batch)
+    compiled = torch.compile(lambda q, k, v: backend.forward(q, k, v, layer, batch), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
+
+
+# lean's own members of its SGLang backend: none overrides an SGLang method of the same name.
+SGLANG_OWN = {
+    "LeanAttnBackend.__init__", "LeanAttnBackend.query_len", "LeanAttnBackend.delegate_replays_graphs",
+    "LeanAttnBackend._pages", "LeanAttnBackend._fill_table", "LeanAttnBackend._metadata",
+    "LeanAttnBackend._init_delegate_graph_state", "LeanAttnBackend._check_layer", "LeanAttnBackend._run_lean",
+}  # fmt: skip
+
+
+def test_every_sglang_name_lean_uses_is_sglangs():
+    """Every SGLang name lean_tp imports resolves in the installed SGLang's sources, and every
+    member of lean's backend overrides one of SGLang's but lean's own, above
+    (scripts/check_engine_names.py)."""
+    rows = engine_names("sglang")
+    assert [name for kind, name, _ in rows if kind == "missing"] == []
+    assert {name for kind, name, _ in rows if kind == "own"} == SGLANG_OWN

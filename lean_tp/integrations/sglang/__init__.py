@@ -21,13 +21,17 @@ NAME = "lean"
 
 def register() -> str:
     """Register ``"lean"`` with SGLang's attention-backend registry and its ``--attention-backend``
-    choices (deterministic inference included: decode then runs the op's batch-invariant mode).
+    choices, deterministic inference included (decode then runs the op's batch-invariant mode),
+    with the radix cache: a decode's bits depend only on the cache's rows and the request's
+    length, and prefill runs on SGLang's Triton backend, which SGLang lists as radix-safe.
     Idempotent. Returns ``"lean"``."""
     from sglang.srt.arg_groups.choices import (
         ATTENTION_BACKEND_CHOICES,
         DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+        RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND,
         add_attention_backend_choices,
         add_deterministic_attention_backend_choices,
+        add_radix_supported_deterministic_attention_backend_choices,
     )
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 
@@ -37,6 +41,8 @@ def register() -> str:
         add_attention_backend_choices([NAME])
     if NAME not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
         add_deterministic_attention_backend_choices([NAME])
+    if NAME not in RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND:
+        add_radix_supported_deterministic_attention_backend_choices([NAME])
     return NAME
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.runtime_context import get_exec
+from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.ragged_verify import RaggedVerifyMode, read_ragged_verify_mode
 
 from lean_tp.integrations import op_backend_from_env
@@ -118,6 +119,38 @@ def layer_problem(layer) -> str | None:
     return None
 
 
+def _or_one(scale: float | None) -> float:
+    return 1.0 if scale is None else scale
+
+
+def mla_scale(layer, delegate_scales_rows: bool) -> float:
+    """The factor an MLA layer's latent rows are read with. SGLang's Triton backend (lean's
+    delegate on GPUs) stores ``k / layer.k_scale`` whenever the layer has a KV scale, in 16-bit
+    caches too, and reads rows back times ``k_scale_float``; its torch-native backend (the CPU
+    delegate) stores and reads rows unscaled. Lean follows its delegate, so one pool holds one
+    convention."""
+    return layer.k_scale_float if delegate_scales_rows and layer.k_scale is not None else 1.0
+
+
+def _is_triton(delegate: AttentionBackend) -> bool:
+    """Whether the delegate is SGLang's Triton backend: it stores MLA rows divided by the layer's
+    KV scale (``mla_scale``), keeps CUDA-graph state and a verify mask; the torch-native one none."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    return isinstance(delegate, TritonAttnBackend)
+
+
+def _check_lean_kwargs(kwargs: dict) -> None:
+    """``ValueError`` for a score modifier on a forward lean runs (decode, chain verification): the
+    op has none. Prefill passes them to the delegate."""
+    for name in ("score_mod", "aux_tensors"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}: expected None for the {NAME} backend's decode and chain verification (the "
+                f"op applies no score modifier), got {type(kwargs[name]).__name__}"
+            )
+
+
 def _delegate(model_runner, on_gpu: bool) -> AttentionBackend:
     """SGLang's own backend for what lean does not run: Triton on GPUs, torch-native elsewhere."""
     if on_gpu:
@@ -140,14 +173,21 @@ class LeanAttnBackend(AttentionBackend):
         # The delegate is SGLang's Triton backend on GPUs (graphs, sinks), its torch-native one elsewhere.
         self.on_gpu = torch.device(model_runner.device).type == "cuda"
         self.delegate = _delegate(model_runner, self.on_gpu)
+        self.triton_delegate = _is_triton(self.delegate)
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token  # (max_reqs, max_context_len) int32
         self.page_size = cache_page_size(model_runner.page_size)
         self.max_pages = -(-self.req_to_token.shape[1] // self.page_size)  # a table row at full context
+        # The EAGLE workers size a verify mask with it when a batch's seq_lens_sum is unknown.
+        self.max_context_len = model_runner.model_config.context_len
         self.op_backend = op_backend_from_env(BACKEND_ENV)
         # SGLang's deterministic inference: a request's decode bits must not depend on its batch-mates.
         self.batch_invariant = bool(get_exec().deterministic.enable_deterministic_inference)
+        # SGLANG_ENABLE_METADATA_GLUE_GRAPH records init_forward_metadata_out_graph into a CUDA graph,
+        # which would freeze a table width taken from host lengths: graph tables are then full width.
+        self.full_width_graph_tables = bool(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get())
         self.graph: GraphBuffers | None = None
+        self._graph_sizes, self._delegate_graph_state = (0, 0), False
         self.forward_metadata: LeanForwardMetadata | None = None  # None: the delegate runs this forward
         self._checked_layers: set[int] = set()
 
@@ -165,6 +205,15 @@ class LeanAttnBackend(AttentionBackend):
             if spec is not None and getattr(spec, "topk", None) == 1 and 1 <= spec.draft_token_num <= tokens:
                 return spec.draft_token_num
         return None
+
+    def delegate_replays_graphs(self) -> bool:
+        """Whether a CUDA-graph forward can reach the delegate: only a verification lean does not
+        take (a tree of drafts, or more drafts than lean's bound). Decode graphs are lean's."""
+        spec = get_spec()
+        if not spec.speculative_algorithm:
+            return False
+        drafts = spec.speculative_num_draft_tokens or 1
+        return (spec.speculative_eagle_topk or 1) != 1 or drafts > max_query_tokens(self.batch_invariant)
 
     def _pages(self, keys_cpu: torch.Tensor | None) -> int:
         """Block-table columns for a batch whose longest request has ``max(keys_cpu)`` keys (a host
@@ -184,7 +233,7 @@ class LeanAttnBackend(AttentionBackend):
         if query_len > 1:  # verification: seq_lens excludes the drafts, which are already in req_to_token
             seq_lens = seq_lens + query_len
             keys_cpu = None if keys_cpu is None else keys_cpu + query_len
-        pages = self._pages(keys_cpu)
+        pages = self.max_pages if graph is not None and self.full_width_graph_tables else self._pages(keys_cpu)
         batch = seq_lens.shape[0]
         if graph is None:
             table = torch.empty(batch, pages, dtype=torch.int32, device=seq_lens.device)
@@ -208,14 +257,24 @@ class LeanAttnBackend(AttentionBackend):
             torch.zeros(max_bs, dtype=torch.int32, device=device),
             torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),
         )
-        if self.on_gpu:  # the torch-native delegate keeps no graph state
-            self.delegate.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._graph_sizes, self._delegate_graph_state = (max_bs, max_num_tokens), False
+        # The Triton delegate's graph state (split-KV logits of tokens x heads x splits x v_head_dim
+        # fp32: gigabytes for MLA) only where a captured forward can reach it; the torch-native
+        # delegate keeps none.
+        if self.triton_delegate and self.delegate_replays_graphs():
+            self._init_delegate_graph_state()
+
+    def _init_delegate_graph_state(self) -> None:
+        self.delegate.init_cuda_graph_state(*self._graph_sizes)
+        self._delegate_graph_state = True
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before capture and before each replay: refill the graph buffers (outside the graph)."""
         query_len = self.query_len(forward_batch)
         if query_len is None:
             self.forward_metadata = None
+            if self.triton_delegate and self.graph is not None and not self._delegate_graph_state:
+                self._init_delegate_graph_state()  # a captured mode lean did not foresee
             self.delegate.init_forward_metadata_out_graph(forward_batch, in_capture)
             return
         if self.graph is None:
@@ -229,6 +288,19 @@ class LeanAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self):
         # Padded requests (request slot 0, their output dropped) read one key, as with SGLang's own backends.
         return 1
+
+    # -- speculative decoding's hooks, as SGLang's wrapper backends pass them to the verifier -----
+
+    @property
+    def verify_mask(self):
+        """The tree mask the draft stage fills, the delegate's (lean's chain verification reads none)."""
+        return self.delegate.verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        """Lean's verify reads no mask or position buffers; a tree verification's are the delegate's
+        (SGLang's Triton backend keeps none either; the torch-native one runs no verify graphs)."""
+        if self.triton_delegate:
+            self.delegate.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -248,8 +320,9 @@ class LeanAttnBackend(AttentionBackend):
         mla = type(self.token_to_kv_pool) is MLATokenToKVPool
         if save_kv_cache and k is not None and v is not None:
             loc = KVWriteLoc.for_batch(forward_batch)
-            if mla:  # k is the latent row (T, 1, rank + rope), which holds v
-                self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+            if mla:  # k is the latent row (T, 1, rank + rope), which holds v; stored as the delegate stores it
+                scale = mla_scale(layer, self.triton_delegate)
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k if scale == 1.0 else k / scale, v)
             else:
                 self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
@@ -266,7 +339,17 @@ class LeanAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(pool_shape),
             )
         fp8 = k_cache.dtype in FP8_DTYPES
-        scale = lambda s: (s if s is not None else 1.0) if fp8 else None  # noqa: E731
+        # The rows' factor: the op's k/v scales for fp8 caches; for a 16-bit MLA pool under a KV scale
+        # s, softmax(q.(s k)) = softmax((s q).k) and the output is s times that of the stored rows.
+        row_scale = mla_scale(layer, self.triton_delegate) if mla else None
+        softmax_scale, out_scale = layer.scaling, 1.0
+        if mla and fp8:  # one latent row, one scale
+            k_scale = v_scale = row_scale
+        elif mla:
+            k_scale = v_scale = None
+            softmax_scale, out_scale = layer.scaling * row_scale, row_scale
+        else:  # SGLang scales an MHA pool's rows only when it stores fp8
+            k_scale, v_scale = (_or_one(layer.k_scale_float), _or_one(layer.v_scale_float)) if fp8 else (None, None)
         window = layer.sliding_window_size
         out = decode_attention(
             q,
@@ -274,28 +357,32 @@ class LeanAttnBackend(AttentionBackend):
             v_cache,
             meta.seq_lens,
             block_table=meta.block_table,
-            softmax_scale=layer.scaling,
+            softmax_scale=softmax_scale,
             softcap=layer.logit_cap if layer.logit_cap > 0 else None,
             # SGLang's window counts the keys before the query (k >= q - w): w + 1 keys with the query's own.
             window=window + 1 if window is not None and window > -1 else None,
             sinks=None if sinks is None else sinks.float(),
-            k_scale=scale(layer.k_scale_float),
-            v_scale=scale(layer.k_scale_float if mla else layer.v_scale_float),  # MLA: one latent row, one scale
+            k_scale=k_scale,
+            v_scale=v_scale,
             backend=self.op_backend,
             batch_invariant=self.batch_invariant,
         )
+        if out_scale != 1.0:
+            out = out * out_scale
         return out.view(-1, heads * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         if self.forward_metadata is None:
             raise RuntimeError(f"the {NAME} backend: init_forward_metadata must run before a decode forward")
+        _check_lean_kwargs(kwargs)
         return self._run_lean(q, k, v, layer, forward_batch, save_kv_cache, sinks)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         if self.forward_metadata is not None:  # chain verification
+            _check_lean_kwargs(kwargs)
             return self._run_lean(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         if sinks is not None:
-            if not self.on_gpu:
+            if not self.triton_delegate:
                 raise ValueError(
                     f"sinks: SGLang's torch-native prefill (the {NAME} backend's CPU delegate) has "
                     "no attention sinks; prefill with sinks runs on GPUs (Triton)"
