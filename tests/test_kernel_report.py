@@ -111,10 +111,15 @@ def test_register_caps_apply_on_the_triton_they_were_read_on(monkeypatch):
 
     config = TUNING_TABLE[("sm90", 128, 2)]
     monkeypatch.setattr(tuning.triton, "__version__", "3.7.1")
-    assert config.compile_options(True, 16) == {"num_warps": 4, "num_stages": 5, "maxnreg": 168}
-    assert config.compile_options(False, 32) == {"num_warps": 4, "num_stages": 3}
+    assert config.compile_options(True, 16) == {
+        "num_warps": 4,
+        "num_stages": 5,
+        "enable_fp_fusion": True,
+        "maxnreg": 168,
+    }
+    assert config.compile_options(False, 32) == {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": True}
     monkeypatch.setattr(tuning.triton, "__version__", "3.6.0")
-    assert config.compile_options(True, 16) == {"num_warps": 4, "num_stages": 5}
+    assert config.compile_options(True, 16) == {"num_warps": 4, "num_stages": 5, "enable_fp_fusion": True}
 
 
 def test_page_id_timing_reads_registers_through_the_loop():

@@ -33,6 +33,7 @@ from lean_tp.ops.decode_attention.plan import (
 )
 from lean_tp.ops.decode_attention.schedule import SEGMENT_FIELDS, lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
+    FP_FUSION,
     MAX_CONTRIBUTORS,
     MERGE_FANIN,
     MIN_TILES_PER_PROGRAM,
@@ -305,6 +306,7 @@ def lean_schedule(
             FANIN=MERGE_FANIN,
             BLOCK_B=SCHEDULE_BLOCK_B,
             MAX_SEGS=room,
+            enable_fp_fusion=FP_FUSION,
         )
         counts = nseg.tolist()
         if max(counts) <= room:

@@ -148,7 +148,7 @@ class KernelVariant:
         """Row blocks per KV head (``NUM_GC``)."""
         return self.constexprs["NUM_GC"]
 
-    def compile_options(self) -> dict[str, int]:
+    def compile_options(self) -> dict[str, int | bool]:
         """Triton launch options (warps, stages, register cap) of this variant."""
         return self.config.compile_options(self.page_size is not None, self.block_g, self.features.batch_invariant)
 

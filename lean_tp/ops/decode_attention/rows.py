@@ -12,7 +12,7 @@ including its own, so its rows are those of that token's one-token decode.
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.attend import BF16_DOTS_IN_FP32, load_rows
+from lean_tp.ops.decode_attention.attend import BF16_DOTS_IN_FP32, INTERPRETED, load_rows
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -171,13 +171,16 @@ def load_q(
     b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
     o_d = tl.arange(0, BLOCK_D)
     o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
-    b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_g & valid, o_d, HEAD_DIM, BLOCK_D)
+    m_q = m_g & valid
+    if INTERPRETED:  # its block & scalar of int1 holds int32, which triton 3.8+'s loads refuse as a mask
+        m_q = tl.where(valid, m_g, False)
+    b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_q, o_d, HEAD_DIM, BLOCK_D)
     if BF16_DOTS_IN_FP32 and b_q.dtype == tl.bfloat16:
         b_q = b_q.to(tl.float32)
     b_qt = b_q
     if HEAD_DIM_T > 0:
         o_dt = tl.arange(0, BLOCK_DT)
-        b_qt = load_rows(q_ptr + o_q[:, None] + (HEAD_DIM + o_dt)[None, :], m_g & valid, o_dt, HEAD_DIM_T, BLOCK_DT)
+        b_qt = load_rows(q_ptr + o_q[:, None] + (HEAD_DIM + o_dt)[None, :], m_q, o_dt, HEAD_DIM_T, BLOCK_DT)
         b_qt = b_qt.to(b_q.dtype)
     return b_q, b_qt
 

@@ -63,14 +63,14 @@ class DecodeConfig:
     # as V); None for equal head dims. The table's key names K's head dim.
     head_dim_v: int | None = None
 
-    def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int]:
+    def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
-        pipeline stages (``paged_stages`` for a paged cache when set) and ``maxnreg`` where the
-        entry caps registers (``invariant``: the batch-invariant variant's warps and cap, when set)
-        and the installed Triton is one the caps were read on."""
+        pipeline stages (``paged_stages`` for a paged cache when set), FP fusion (``FP_FUSION``),
+        and ``maxnreg`` where the entry caps registers (``invariant``: the batch-invariant
+        variant's warps and cap, when set) and the installed Triton is one the caps were read on."""
         stages = self.paged_stages if paged and self.paged_stages else self.num_stages
         warps = (invariant and self.invariant_num_warps) or self.num_warps
-        options = {"num_warps": warps, "num_stages": stages}
+        options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION}
         cap = (invariant and self.invariant_max_registers) or self.max_registers
         capped = cap and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
         return options | ({"maxnreg": cap} if capped else {})
@@ -182,6 +182,11 @@ _AHEAD = "; paged: page ids copied a stage ahead (5 stages; kernel report)"
 # archs; sm_90 D=128 paged: 2-5), so the caps apply from triton 3.7 on: on 3.6, D=256 runs 1
 # program/SM and sm_90 D=128 2, with no spills.
 REGISTER_CAPS_SINCE = (3, 7)
+# Floating-point contraction (a*b+c as one FMA) in every compiled kernel, set explicitly: the
+# kernel report's registers, SASS and bits are read with it, triton 3.6-3.9 default to it, and
+# triton 3.9 warns that its default becomes off in 3.10, which would change the compiled code and
+# the output bits without a line of ours changing.
+FP_FUSION = True
 # The cap on programs per SM is the most that fits any layout's launched kernel (kernel report);
 # the launcher lowers it to what the launched kernel fits (paged kernels use more registers).
 _FITS = "; programs/SM cap: what fits (kernel report), not timed"

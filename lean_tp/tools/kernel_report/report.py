@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 
 from lean_tp.ops.decode_attention import Features, KernelVariant
 from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_variant, programs_per_sm
-from lean_tp.ops.decode_attention.tuning import TUNING_TABLE, config_for, paired_head_dim_v
+from lean_tp.ops.decode_attention.tuning import FP_FUSION, TUNING_TABLE, config_for, paired_head_dim_v
 from lean_tp.tools.gpus import GPUS, GPUModel
 from lean_tp.tools.kernel_report.sass import (
     dump,
@@ -303,7 +303,8 @@ def to_markdown(rows: list[KernelStats]) -> str:
     """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
     gpu = {"sm80": "A100", "sm90": "H100"}
     lines = [
-        f"Compiled as launched with triton {triton.__version__}, GQA group {REPORT_GROUP} ({MLA_GROUP} for MLA's "
+        f"Compiled as launched with triton {triton.__version__}, FP fusion {'on' if FP_FUSION else 'off'} "
+        f"(`tuning.FP_FUSION`), GQA group {REPORT_GROUP} ({MLA_GROUP} for MLA's "
         "576/512 rows, V read from K's tile) (`python -m lean_tp.tools.kernel_report`).",
         "",
         "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V B per key | K/V buffers "
