@@ -39,6 +39,7 @@ from peers import PEERS
 
 from lean_tp import cli
 from lean_tp.model import CONFIGS
+from lean_tp.ops.decode_attention.tuning import arch_of
 
 L2_ROTATION_FACTOR = 4  # bytes touched between two replays of one input set >= 4 x L2: the L2 is cold
 MEMORY_FRACTION = 0.6  # rows whose input sets need more of the free GPU memory are skipped
@@ -324,6 +325,7 @@ def environment(device: torch.device, copy_bw: float) -> dict:
             sm_count=props.multi_processor_count,
             driver=driver[0] if driver else "unknown",
             cuda=torch.version.cuda,
+            arch=arch_of(device),  # the architecture entry (limits, tuning) the kernel ran with
         )
     return env
 

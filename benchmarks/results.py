@@ -2,8 +2,9 @@
 
 A run is committed as ``docs/results/<YYYY-MM-DD>-<device-slug>.json``: the environment
 (``ENV_KEYS``), then ``rows``, one per (shape, implementation) timed (``ROW_KEYS``;
-``max_abs_err_vs_lean`` is null for lean itself), and optionally ``notes`` (a peer not timed and
-why), ``packages``, ``steps`` and ``loops`` (from scripts/gpu_check.py). ``bench_decode.py`` writes the record of its rows; ``gpu_check.py`` adds
+``max_abs_err_vs_lean`` is null for lean itself), and optionally ``cuda`` and ``arch`` (the
+architecture entry the kernel ran with, ``archs.ARCHS``), ``notes`` (a peer not timed and why),
+``packages``, ``steps`` and ``loops`` (from scripts/gpu_check.py). ``bench_decode.py`` writes the record of its rows; ``gpu_check.py`` adds
 its steps and names the file.
 
     python benchmarks/results.py            # rewrite the generated part of docs/BENCHMARKS.md

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device, copy_bandwidth(device))  # the record of a run without the benchmark has it too
     found = packages()
     print(
-        f"device: {env['device']} ({env['sm_count']} SMs), driver {env['driver']}; "
+        f"device: {env['device']} ({env['sm_count']} SMs, entry {env['arch']}), driver {env['driver']}; "
         + ", ".join(f"{k} {v}" for k, v in found.items()),
         flush=True,
     )

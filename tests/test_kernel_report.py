@@ -1,4 +1,5 @@
-"""What the decode kernel compiles to for sm_80 and sm_90, read on CPU (``lean_tp.tools.kernel_report``).
+"""What the decode kernel compiles to for sm_80 and sm_90, and within its limits for every other
+architecture of ``archs.ARCHS``, read on CPU (``lean_tp.tools.kernel_report``).
 
 The interpreter accepts code the GPU compiler rejects (dot dims < 16, non-constexpr globals,
 ``break``), and it says nothing about registers or loads. These tests compile every kernel the
@@ -18,13 +19,22 @@ import sys
 import pytest
 import torch
 
+from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
-from lean_tp.tools.kernel_report import FEATURES, INVARIANT_BASE, LAYOUTS, KernelStats, report_group, to_markdown
+from lean_tp.tools.kernel_report import (
+    FEATURES,
+    INVARIANT_BASE,
+    LAYOUTS,
+    REPORT_ARCHS,
+    KernelStats,
+    report_group,
+    to_markdown,
+)
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}  # opt-in shared memory per block
+SMEM_LIMIT = {key: arch.smem_per_block for key, arch in ARCHS.items()}  # opt-in shared memory per block
 
 
 def _run(args: list[str]) -> str:
@@ -53,12 +63,14 @@ def test_every_table_entry_compiles_for_every_layout(stats):
     built = {(s.arch, s.head_dim, s.dtype, s.layout) for s in _report_rows(stats)}
     fp8 = {(s.arch, s.head_dim) for s in stats if s.features.startswith("fp8")}
     for arch, head_dim, size in TUNING_TABLE:
-        if arch != "interp" and size == 2:
+        if arch not in REPORT_ARCHS:  # the other architectures: test_every_architecture_compiles_within_its_limits
+            continue
+        if size == 2:
             layouts = ("contiguous", "paged16") if head_dim == 576 else LAYOUTS  # MLA: sample_jobs
             assert {(arch, head_dim, "fp16", layout) for layout in layouts} <= built
-        elif arch != "interp" and size == 1:
+        elif size == 1:
             assert (arch, head_dim) in fp8
-        elif arch != "interp":
+        else:
             assert any((arch, head_dim, "fp32", layout) in built for layout in LAYOUTS)
     for arch in ("sm80", "sm90"):
         assert {layout for a, _, dtype, layout in built if a == arch and dtype == "fp32"} == set(LAYOUTS)
@@ -224,6 +236,29 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
         assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2 and s.wait_group >= 1, s
         assert s.v_load_bytes == 16 or (fp8 and arch == "sm80" and s.v_load_bytes == 8), s
         assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 4 * s.littles_law_bytes, s
+
+
+@pytest.mark.xdist_group("kernel_report_archs")  # beside the module's group: a worker of its own
+def test_every_architecture_compiles_within_its_limits():
+    """sm_86, sm_89, sm_100 and sm_120 (``OTHER_ARCHS``), each against its own limits (99 KB a block
+    on sm_86/89/120): the rows that stage the most, the 16-bit D=64 row and the e4m3 D=256 and MLA
+    rows, paged16 (``arch_jobs(sample=True)``), fit a block, keep the K/V loop free of spills, hold
+    2 K/V buffers and copy K 16 bytes at a time, and docs/kernel_report.md has them as compiled
+    (``--archs`` compiles every row)."""
+    from lean_tp.ops.decode_attention.archs import ARCHS
+    from lean_tp.tools.kernel_report import OTHER_ARCHS, arch_markdown
+
+    rows = json.loads(_run(["-m", "lean_tp.tools.kernel_report", "--archs", "--sample", "--json"]))
+    fields = {f.name for f in dataclasses.fields(KernelStats)}
+    stats = [KernelStats(**{k: v for k, v in row.items() if k in fields}) for row in rows]
+    assert {s.arch for s in stats} == set(OTHER_ARCHS) == {"sm86", "sm89", "sm100", "sm120"}
+    for s in stats:
+        assert s.shared_bytes <= ARCHS[s.arch].smem_per_block and s.programs_per_sm >= 1, s
+        assert s.loop_spills == 0 and s.kv_buffers >= 2 and s.k_load_bytes == 16, s
+    with open(os.path.join(ROOT, "docs", "kernel_report.md")) as f:
+        doc = f.read()
+    missing = [line for line in arch_markdown(stats).splitlines()[2:] if line not in doc]
+    assert not missing, f"regenerate: python -m lean_tp.tools.kernel_report --archs; stale: {missing[:3]}"
 
 
 def test_docs_kernel_report_is_current(stats):

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lean_tp.ops.decode_attention.archs import PARTS
+
 
 @dataclass(frozen=True)
 class GPUModel:
     """The constants of the time model for one GPU (sources in ``MODEL_SOURCES``)."""
 
     name: str
-    sms: int
-    arch: str  # tuning-table key
+    sms: int  # archs.PARTS
+    arch: str  # archs.ARCHS key
     clock_ghz: float  # SM clock under load
     hbm_tbps: float  # device-to-device copy bandwidth, TB/s (bytes read + written)
     hbm_latency_us: float  # loaded HBM latency, what Little's law needs in flight
@@ -31,8 +33,8 @@ class GPUModel:
 
 
 GPUS = {
-    "A100": GPUModel("A100", 108, "sm80", 1.41, 1.5, 0.6, 200, 47, 1.0),
-    "H100": GPUModel("H100", 132, "sm90", 1.755, 3.0, 0.7, 260, 64, 1.0),
+    "A100": GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0),
+    "H100": GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0),
 }
 MODEL_SOURCES = {
     "sms": "NVIDIA A100 and H100 (SXM) whitepapers: 108 and 132 SMs",

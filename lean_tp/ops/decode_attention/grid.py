@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import triton
 
+from lean_tp.ops.decode_attention.archs import ARCHS, PARTS, REPORT_PART, Arch, arch_for_capability
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import check_launch_args, launch_args, plan_workspace
@@ -26,25 +27,38 @@ class SMLimits:
     """Per-SM resources that bound resident programs (CUDA occupancy calculator terms)."""
 
     sm_count: int
-    regs_per_sm: int = 65536
-    max_threads_per_sm: int = 2048
-    max_blocks_per_sm: int = 32
-    smem_per_sm: int = 233472  # bytes usable by blocks; sm_90: 228 KB
-    smem_reserved_per_block: int = 1024  # the driver reserves 1 KB per block on sm_80 and later
+    regs_per_sm: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    smem_per_sm: int  # bytes usable by blocks
+    smem_reserved_per_block: int  # the driver reserves 1 KB per block on sm_80 and later
+
+    @classmethod
+    def of_arch(cls, arch: Arch, sm_count: int) -> SMLimits:
+        return cls(
+            sm_count,
+            arch.regs_per_sm,
+            arch.max_threads_per_sm,
+            arch.max_blocks_per_sm,
+            arch.smem_per_sm,
+            arch.smem_reserved_per_block,
+        )
 
     @classmethod
     def of_device(cls, index: int) -> SMLimits:
+        """The device's own figures, and its architecture entry's for what torch does not report."""
         p = torch.cuda.get_device_properties(index)
-        return cls(
-            sm_count=p.multi_processor_count,
+        arch = arch_for_capability(p.major, p.minor, p.name)
+        return dataclasses.replace(
+            cls.of_arch(arch, p.multi_processor_count),
             regs_per_sm=p.regs_per_multiprocessor,
             max_threads_per_sm=p.max_threads_per_multi_processor,
             smem_per_sm=p.shared_memory_per_multiprocessor,
         )
 
 
-# Published limits, for the CPU kernel report: A100-SXM4 (sm_80) and H100-SXM5 (sm_90).
-SM_LIMITS = {"sm80": SMLimits(108, smem_per_sm=167936), "sm90": SMLimits(132, smem_per_sm=233472)}
+# For the CPU kernel report: each architecture's limits with the SM count of the part it names.
+SM_LIMITS = {key: SMLimits.of_arch(ARCHS[key], PARTS[part].sms) for key, part in REPORT_PART.items()}
 
 
 def programs_per_sm(n_regs: int, shared: int, num_warps: int, limits: SMLimits) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.tuning import (
     INVARIANT_GROUP_CHUNKS,
@@ -56,8 +57,8 @@ class Features:
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
     """Whether an fp8 cache is read as bytes and converted by hand: float8_e4m3fn before sm_89,
-    where Triton has no e4m3 type (sm_80 compiles e5m2, sm_90 and the interpreter both)."""
-    return fp8 == torch.float8_e4m3fn and arch == "sm80"
+    where Triton has no e4m3 type (sm_80 and sm_86 compile e5m2; sm_89 on and the interpreter both)."""
+    return fp8 == torch.float8_e4m3fn and arch in ARCHS and not ARCHS[arch].native_e4m3
 
 
 def merge_wave(rows: int, block_d: int, elems: int) -> int:

@@ -2,9 +2,11 @@
 
 A configuration is chosen by (architecture, padded head_dim, element size of the cache: 1 for
 fp8, 2 for fp16/bf16, 4 for fp32; an fp8 cache always comes with a 16-bit q). A V head dim below
-K's (MLA) has its own entries, keyed by K's head dim and naming V's (``DecodeConfig.head_dim_v``). ``arch`` is ``"sm80"`` for
-Ampere, ``"sm90"`` for Hopper and later, and ``"interp"`` for the Triton interpreter on CPU, where
-nothing is timed and only correctness matters.
+K's (MLA) has its own entries, keyed by K's head dim and naming V's (``DecodeConfig.head_dim_v``).
+``arch`` is a key of ``archs.ARCHS`` ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"), whose
+entry names the architecture whose tuning it takes where the table has no entry of its own key
+(sm_86, sm_89 and sm_120 take sm_80's, sm_100 sm_90's), or ``"interp"`` for the Triton
+interpreter on CPU, where nothing is timed and only correctness matters.
 
 The GPU values come from the LeanAttention paper's findings (A100, fp16), register and
 shared-memory arithmetic, and the compiled code read on CPU (``python -m
@@ -19,6 +21,7 @@ import dataclasses
 import torch
 import triton
 
+from lean_tp.ops.decode_attention.archs import ARCHS, arch_for_capability
 from lean_tp.ops.utils import major_minor
 
 
@@ -584,6 +587,39 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ),
 }
 
+# 99 KB a block (sm_86, sm_89, sm_120, which take sm_80's entries; archs.ARCHS): D=256 fp8's
+# 64-key blocks stage 108-110 KB, so they take 32-key blocks, the 16-bit entry's: 58-60 KB, no
+# spill in the K/V loop, 2 K/V buffers, 16-byte K loads (compiled for each, kernel report).
+_SMEM99 = "; 99 KB a block: 32-key blocks (64-key blocks stage 108-110 KB; kernel report)"
+TUNING_TABLE |= {
+    (arch, 256, 1): dataclasses.replace(
+        TUNING_TABLE[("sm80", 256, 1)], block_n=32, reason=_FP8 + _SMEM99 + _FITS + _AHEAD
+    )
+    for arch in ("sm86", "sm89", "sm120")
+}
+
+# fp32 D=128 on sm_86 and sm_89: sm_80's 32-key blocks take 255 registers there and spill in the
+# K/V loop (152 local accesses an iteration; sm_80: 106 registers); 16-key blocks take 80, no
+# spill, 3 programs/SM (kernel report).
+TUNING_TABLE |= {
+    (arch, 128, 4): dataclasses.replace(
+        TUNING_TABLE[("sm80", 128, 4)],
+        block_n=16,
+        reason="fp32: 16-key blocks (32-key blocks spill in the K/V loop here; kernel report)" + _FITS,
+    )
+    for arch in ("sm86", "sm89")
+}
+
+# sm_100 takes sm_90's entries, whose D=64 batch-invariant cap of 168 registers spills in its K/V
+# loop there (6 local accesses an iteration, paged16); left to ptxas it takes 255 registers, 16
+# bytes of cold spills and no loop spill, 2 programs/SM (184 or 200: 2 programs too, more SASS).
+TUNING_TABLE[("sm100", 64, 2)] = dataclasses.replace(
+    TUNING_TABLE[("sm90", 64, 2)],
+    invariant_max_registers=None,
+    reason=TUNING_TABLE[("sm90", 64, 2)].reason.replace(_REGS_INVARIANT, "")
+    + "; sm_100: invariant variant uncapped, no K/V-loop spill, 2 programs/SM (kernel report)",
+)
+
 # The kernel takes any head_dim that is a multiple of 8 up to 256 (a 16-byte row of 16-bit values),
 # padded to a power of two >= 16 for ``tl.dot`` with the padding masked. The table has one entry per
 # padded size that has its own registers and shared-memory budget; smaller ones use the 64 entry.
@@ -598,11 +634,21 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def arch_of(device: torch.device) -> str:
-    """Tuning-table architecture key of ``device``."""
+    """Architecture key of ``device`` (``archs.ARCHS``; "interp" off CUDA); ``ValueError`` naming
+    a device the kernel cannot run on."""
     if device.type != "cuda":
         return "interp"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major >= 9 else "sm80"
+    major, minor = torch.cuda.get_device_capability(device)
+    return arch_for_capability(major, minor, torch.cuda.get_device_name(device)).key
+
+
+def table_entry(arch: str, head_dim: int, elem_bytes: int) -> DecodeConfig | None:
+    """The table's entry for an architecture: its own key's, else that of the architecture whose
+    entries it takes (``Arch.tuning``)."""
+    entry = TUNING_TABLE.get((arch, head_dim, elem_bytes))
+    if entry is None and arch in ARCHS:
+        entry = TUNING_TABLE.get((ARCHS[arch].tuning, head_dim, elem_bytes))
+    return entry
 
 
 def get_config(
@@ -656,10 +702,10 @@ def config_for(
         )
     if dtype.itemsize != 2 and cache_dtype not in (None, dtype):
         raise ValueError(f"q: expected dtype float16 or bfloat16 with a {cache_dtype} cache, got {dtype}")
-    key = (arch, max(TABLE_HEAD_DIMS[0], padded_head_dim(head_dim)), (cache_dtype or dtype).itemsize)
-    if key not in TUNING_TABLE:
+    entry = table_entry(arch, max(TABLE_HEAD_DIMS[0], padded_head_dim(head_dim)), (cache_dtype or dtype).itemsize)
+    if entry is None:
         raise ValueError(f"q: expected dtype float16, bfloat16 or float32 for the Triton backend, got {dtype}")
-    return TUNING_TABLE[key]
+    return entry
 
 
 def block_g_for(rows: int, config: DecodeConfig) -> int:
@@ -673,7 +719,7 @@ def _pair_config(
     arch: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, cache_dtype: torch.dtype | None
 ) -> DecodeConfig:
     """The entry for K head dim ``head_dim`` and a smaller V head dim ``head_dim_v``."""
-    config = TUNING_TABLE.get((arch, head_dim, (cache_dtype or dtype).itemsize))
+    config = table_entry(arch, head_dim, (cache_dtype or dtype).itemsize)
     if config is None or config.head_dim_v != head_dim_v or dtype.itemsize != 2:
         raise ValueError(
             f"v_cache: expected (K, V) head dims in {head_dim_pairs()} with a float16 or bfloat16 q for the Triton "

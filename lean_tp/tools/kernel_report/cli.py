@@ -7,7 +7,15 @@ import json
 
 from lean_tp import cli
 from lean_tp.ops.decode_attention.tuning import DecodeConfig
-from lean_tp.tools.kernel_report.report import report_group, report_jobs, run_report, sample_jobs, to_markdown
+from lean_tp.tools.kernel_report.report import (
+    arch_jobs,
+    arch_markdown,
+    report_group,
+    report_jobs,
+    run_report,
+    sample_jobs,
+    to_markdown,
+)
 
 
 def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
@@ -41,9 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         help="each feature and variant on one head dim per arch, not on every entry (the CPU tests)",
     )
     p.add_argument(
+        "--archs",
+        action="store_true",
+        help="the architectures beyond sm_80 and sm_90 (sm_86, sm_89, sm_100, sm_120), each against its limits",
+    )
+    p.add_argument(
         "--workers", type=cli.integer(1, 256), default=None, help="parallel compiles (default: one per core)"
     )
     args = p.parse_args(argv)
+    if args.archs:
+        rows = run_report(arch_jobs(sample=args.sample), args.workers)
+        print(json.dumps([r.as_json() for r in rows], indent=1) if args.json else arch_markdown(rows), end="")
+        return 0
     jobs = report_jobs(args.variants, _parse_overrides(p, args.set))
     rows = run_report(sample_jobs(jobs) if args.sample else jobs, args.workers)
     if args.json:

@@ -11,8 +11,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from lean_tp.ops.decode_attention import Features, KernelVariant
+from lean_tp.ops.decode_attention.archs import ARCHS, REPORT_PART
 from lean_tp.ops.decode_attention.grid import SM_LIMITS, compile_variant, programs_per_sm
-from lean_tp.ops.decode_attention.tuning import FP_FUSION, TUNING_TABLE, config_for, paired_head_dim_v
+from lean_tp.ops.decode_attention.tuning import (
+    FP_FUSION,
+    TABLE_HEAD_DIMS,
+    TUNING_TABLE,
+    config_for,
+    head_dim_pairs,
+    paired_head_dim_v,
+)
 from lean_tp.tools.gpus import GPUS, GPUModel
 from lean_tp.tools.kernel_report.sass import (
     dump,
@@ -28,6 +36,10 @@ from lean_tp.tools.processes import map_in_processes
 
 LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The architectures of the report's tables, with the simulator's GPUs (issue share, Little's law);
+# the others are compiled against their limits (``arch_jobs``, ``arch_markdown``).
+REPORT_ARCHS = ("sm80", "sm90")
+OTHER_ARCHS = tuple(key for key in ARCHS if key not in REPORT_ARCHS)
 REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
 MLA_GROUP = 16  # DeepSeek-V3's 128 query heads per latent head over TP 8
 # The serving features compiled for MLA's entries (one latent head: fp8 and MTP drafts matter).
@@ -133,7 +145,9 @@ class KernelStats:
         return round(gpu.hbm_tbps * 1e12 / gpu.sms * gpu.hbm_latency_us * 1e-6)
 
     def as_json(self) -> dict:
-        derived = ("kv_tile_bytes", "issue_share", "kv_bytes_buffered", "littles_law_bytes", "bytes_per_key")
+        derived = ["kv_tile_bytes", "kv_bytes_buffered", "bytes_per_key"]
+        if any(g.arch == self.arch for g in GPUS.values()):  # the time model's GPUs: sm_80 and sm_90
+            derived += ["issue_share", "littles_law_bytes"]
         return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
 
 
@@ -147,7 +161,7 @@ def compile_stats(
     overrides: tuple[tuple[str, int], ...] = (),
     features: str = "",
 ) -> KernelStats:
-    """Compile one kernel as launched for ``arch`` ("sm80" or "sm90") and read its statistics.
+    """Compile one kernel as launched for ``arch`` (a key of ``archs.ARCHS``) and read its statistics.
 
     ``overrides``: (field, value) pairs replacing tuning-table fields, for trials of other settings;
     ``features``: a key of ``FEATURES`` (``dtype`` stays q's dtype; fp8 variants change the cache's).
@@ -157,7 +171,7 @@ def compile_stats(
     wanted = dataclasses.replace(FEATURES[features], leftpad=leftpad, v_in_k=head_dim_v is not None)
     config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8, head_dim_v), **dict(overrides))
     variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config, head_dim_v)
-    kernel = compile_variant(variant, GPUTarget("cuda", int(arch[2:]), 32))
+    kernel = compile_variant(variant, GPUTarget("cuda", ARCHS[arch].target, 32))
     regs, stack, static_shared = resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + static_shared
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", kernel.asm["ptx"])]
@@ -213,8 +227,9 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
     """
     jobs = []
     for (arch, head_dim, size), config in TUNING_TABLE.items():
-        # fp8 entries are compiled as the fp8 features of the 16-bit entry of their head dim.
-        if arch == "interp" or size == 1 or not _valid(config, overrides):
+        # fp8 entries are compiled as the fp8 features of the 16-bit entry of their head dim; the
+        # other architectures' entries by ``arch_jobs``.
+        if arch not in REPORT_ARCHS or size == 1 or not _valid(config, overrides):
             continue
         if config.head_dim_v is not None:  # MLA: its group, the features it serves, group 128 (TP 1)
             jobs += [(arch, head_dim, "fp16", layout, MLA_GROUP, False, overrides, "") for layout in LAYOUTS]
@@ -244,6 +259,24 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
             for arch in ("sm80", "sm90")
             for d in PADDED_HEAD_DIMS
         ]
+    return jobs
+
+
+def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> list[tuple]:
+    """Every architecture beyond the report's two, against its own limits: each head dim's entry
+    (the architecture's own or the one it takes, ``Arch.tuning``) on the contiguous and paged16
+    layouts, 16-bit and e4m3, and fp32 on one layout. ``sample`` (the CPU tests): paged16 only, the
+    16-bit D=64 row and the e4m3 rows of D=256 and MLA, the largest blocks a 99 KB part takes."""
+    jobs = []
+    for arch in archs:
+        for head_dim in (*TABLE_HEAD_DIMS, *(k for k, _ in head_dim_pairs())):
+            group = report_group(head_dim)
+            for layout in ("paged16",) if sample else ("contiguous", "paged16"):
+                for feature in ("", "fp8_e4m3"):
+                    if not sample or (head_dim, feature) in ((64, ""), (256, "fp8_e4m3"), (576, "fp8_e4m3")):
+                        jobs.append((arch, head_dim, "fp16", layout, group, False, (), feature))
+            if not sample and not paired_head_dim_v(head_dim):
+                jobs.append((arch, head_dim, "fp32", "contiguous", group, False, (), ""))
     return jobs
 
 
@@ -294,6 +327,24 @@ def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = T
             os.environ["TRITON_INTERPRET"] = env_interp
 
 
+def arch_markdown(rows: list[KernelStats]) -> str:
+    """The other architectures' rows, each against its own per-block shared-memory limit."""
+    lines = [
+        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | smem limit KB | programs/SM "
+        "| K / V load B | K/V buffers | BLOCK_N |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        dtype = r.features.removeprefix("fp8_") if r.features else r.dtype
+        lines.append(
+            f"| {r.arch} | {_dims(r)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.shared_bytes / 1024:.1f} | {ARCHS[r.arch].smem_per_block // 1024} "
+            f"| {r.programs_per_sm} ({REPORT_PART[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} "
+            f"| {r.block_n} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _dims(r: KernelStats) -> str:
     """A row's head dims: D, or Dqk/Dv (MLA)."""
     return f"{r.head_dim}/{r.head_dim_v}" if r.head_dim_v != r.head_dim else str(r.head_dim)
@@ -301,7 +352,7 @@ def _dims(r: KernelStats) -> str:
 
 def to_markdown(rows: list[KernelStats]) -> str:
     """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
-    gpu = {"sm80": "A100", "sm90": "H100"}
+    gpu = REPORT_PART
     lines = [
         f"Compiled as launched with triton {triton.__version__}, FP fusion {'on' if FP_FUSION else 'off'} "
         f"(`tuning.FP_FUSION`), GQA group {REPORT_GROUP} ({MLA_GROUP} for MLA's "

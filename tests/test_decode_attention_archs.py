@@ -1,0 +1,82 @@
+"""The architecture table (``lean_tp/ops/decode_attention/archs.py``): every compute capability
+maps to an entry or is refused by name, the limits are the CUDA programming guide's, and every
+architecture has a tuning entry for every head dim and dtype the kernel takes. What each entry
+compiles to on each architecture is in tests/test_kernel_report.py."""
+
+import pytest
+import torch
+
+from lean_tp.ops.decode_attention import tuning
+from lean_tp.ops.decode_attention.archs import ARCHS, KB, PARTS, REPORT_PART, arch_for_capability
+from lean_tp.ops.decode_attention.grid import SM_LIMITS
+from lean_tp.ops.decode_attention.plan import e4m3_as_bits
+from lean_tp.ops.decode_attention.tuning import TABLE_HEAD_DIMS, config_for, head_dim_pairs
+
+CAPABILITIES = {
+    (8, 0): "sm80",  # A100
+    (8, 6): "sm86",  # A10, RTX 3090
+    (8, 7): "sm86",  # Jetson Orin: Ampere's closest entry
+    (8, 9): "sm89",  # L4, L40S, RTX 4090
+    (9, 0): "sm90",  # H100, H200
+    (10, 0): "sm100",  # B200
+    (10, 3): "sm100",  # B300
+    (11, 0): "sm100",  # Jetson Thor
+    (12, 0): "sm120",  # RTX 5090
+    (12, 1): "sm120",  # GB10
+    (13, 0): "sm120",  # a later part: the closest earlier entry
+}
+
+
+@pytest.mark.parametrize("capability,key", list(CAPABILITIES.items()), ids=[f"{a}.{b}" for a, b in CAPABILITIES])
+def test_every_capability_maps_to_an_entry(capability, key):
+    assert arch_for_capability(*capability).key == key
+
+
+@pytest.mark.parametrize("capability,name", [((7, 5), "Tesla T4"), ((7, 0), "Tesla V100")])
+def test_devices_before_ampere_are_refused_by_name(capability, name, monkeypatch):
+    """At the first call (``arch_of`` plans every Triton launch): one line naming the device."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    with pytest.raises(
+        ValueError, match=rf"device: expected .* 8\.0 or later .* got {name} of {capability[0]}\.{capability[1]}"
+    ):
+        tuning.arch_of(torch.device("cuda", 0))
+
+
+def test_limits_are_the_programming_guides():
+    """Shared memory a block may opt into is the multiprocessor's less the driver's 1 KB; 99 KB on
+    sm_86, sm_89 and sm_120, where threads are 1536 an SM. The report's limits take each
+    architecture's with its named part's SM count."""
+    for arch in ARCHS.values():
+        assert arch.smem_per_block == arch.smem_per_sm - arch.smem_reserved_per_block == arch.smem_per_sm - KB
+        assert arch.regs_per_sm == 65536 and arch.target == int(arch.key[2:])
+    assert {a.key for a in ARCHS.values() if a.smem_per_block == 99 * KB} == {"sm86", "sm89", "sm120"}
+    assert {a.key for a in ARCHS.values() if a.max_threads_per_sm == 1536} == {"sm86", "sm89", "sm120"}
+    assert (ARCHS["sm80"].smem_per_block, ARCHS["sm90"].smem_per_block) == (163 * KB, 227 * KB)
+    for key, part in REPORT_PART.items():
+        limits = SM_LIMITS[key]
+        assert PARTS[part].arch == key and limits.sm_count == PARTS[part].sms
+        assert (limits.smem_per_sm, limits.max_threads_per_sm) == (
+            ARCHS[key].smem_per_sm,
+            ARCHS[key].max_threads_per_sm,
+        )
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_has_an_entry_for_what_the_kernel_takes(arch):
+    """Head dims 8 to 256 and MLA's pair, 16-bit and fp32 caches, and fp8 caches with a 16-bit q."""
+    for head_dim in (8, 40, *TABLE_HEAD_DIMS, 192):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            assert config_for(arch, head_dim, dtype).reason
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert config_for(arch, head_dim, torch.bfloat16, fp8).reason
+    for k, v in head_dim_pairs():
+        for cache in (None, torch.float8_e4m3fn):
+            assert config_for(arch, k, torch.bfloat16, cache, v).head_dim_v == v
+
+
+def test_e4m3_is_converted_by_hand_before_sm89():
+    """sm_80 and sm_86 have no e4m3 conversion instruction; sm_89 and later (and the interpreter) do."""
+    by_hand = {key for key in ARCHS if e4m3_as_bits(torch.float8_e4m3fn, key)}
+    assert by_hand == {"sm80", "sm86"} and not e4m3_as_bits(torch.float8_e4m3fn, "interp")
+    assert not any(e4m3_as_bits(torch.float8_e5m2, key) for key in ARCHS)
