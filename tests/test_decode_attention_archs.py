@@ -80,3 +80,23 @@ def test_e4m3_is_converted_by_hand_before_sm89():
     by_hand = {key for key in ARCHS if e4m3_as_bits(torch.float8_e4m3fn, key)}
     assert by_hand == {"sm80", "sm86"} and not e4m3_as_bits(torch.float8_e4m3fn, "interp")
     assert not any(e4m3_as_bits(torch.float8_e5m2, key) for key in ARCHS)
+
+
+def test_the_grid_reads_a_devices_limits_and_its_architectures(monkeypatch):
+    """On a GPU the grid takes the device's SM count, registers, threads and shared memory, and its
+    architecture entry's block limit (which torch does not report): an L40S's 1536 threads and 24
+    blocks an SM, not an A100's 2048 and 32, so a 4-warp kernel of 100 registers and 30 KB fits 3."""
+    from types import SimpleNamespace
+
+    from lean_tp.ops.decode_attention.grid import SMLimits, programs_per_sm
+
+    l40s = SimpleNamespace(
+        major=8, minor=9, name="NVIDIA L40S", multi_processor_count=142, regs_per_multiprocessor=65536,
+        max_threads_per_multi_processor=1536, shared_memory_per_multiprocessor=102400,
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: l40s)
+    limits = SMLimits.of_device(0)
+    assert (limits.sm_count, limits.max_threads_per_sm, limits.max_blocks_per_sm) == (142, 1536, 24)
+    assert limits.smem_per_sm == 100 * KB and limits == SM_LIMITS["sm89"]
+    assert programs_per_sm(100, 30 * KB, 4, limits) == 3  # shared memory: 3 x 31 KB of 100 KB
+    assert programs_per_sm(32, 0, 4, limits) == 12  # threads: 1536 / 128
