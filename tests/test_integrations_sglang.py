@@ -695,6 +695,7 @@ SGLANG_OWN = {
     "LeanAttnBackend.__init__", "LeanAttnBackend.query_len", "LeanAttnBackend.delegate_replays_graphs",
     "LeanAttnBackend._pages", "LeanAttnBackend._fill_table", "LeanAttnBackend._metadata",
     "LeanAttnBackend._init_delegate_graph_state", "LeanAttnBackend._check_layer", "LeanAttnBackend._run_lean",
+    "LeanAttnBackend._scales",
 }  # fmt: skip
 
 

@@ -338,18 +338,7 @@ class LeanAttnBackend(AttentionBackend):
                 k_cache.view(pool_shape),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(pool_shape),
             )
-        fp8 = k_cache.dtype in FP8_DTYPES
-        # The rows' factor: the op's k/v scales for fp8 caches; for a 16-bit MLA pool under a KV scale
-        # s, softmax(q.(s k)) = softmax((s q).k) and the output is s times that of the stored rows.
-        row_scale = mla_scale(layer, self.triton_delegate) if mla else None
-        softmax_scale, out_scale = layer.scaling, 1.0
-        if mla and fp8:  # one latent row, one scale
-            k_scale = v_scale = row_scale
-        elif mla:
-            k_scale = v_scale = None
-            softmax_scale, out_scale = layer.scaling * row_scale, row_scale
-        else:  # SGLang scales an MHA pool's rows only when it stores fp8
-            k_scale, v_scale = (_or_one(layer.k_scale_float), _or_one(layer.v_scale_float)) if fp8 else (None, None)
+        k_scale, v_scale, softmax_scale, out_scale = self._scales(layer, mla, k_cache.dtype in FP8_DTYPES)
         window = layer.sliding_window_size
         out = decode_attention(
             q,
@@ -370,6 +359,17 @@ class LeanAttnBackend(AttentionBackend):
         if out_scale != 1.0:
             out = out * out_scale
         return out.view(-1, heads * layer.v_head_dim)
+
+    def _scales(self, layer, mla: bool, fp8: bool) -> tuple[float | None, float | None, float, float]:
+        """(k_scale, v_scale, softmax_scale, out_scale) of a layer's lean call. fp8 pools take the op's
+        scales: an MHA pool's rows are k / k_scale and v / v_scale (SGLang scales only what it
+        stores in fp8), an MLA pool's latent rows one ``mla_scale``. A 16-bit MLA pool under a KV
+        scale s: softmax(q.(s k)) = softmax((s q).k), and the output is s times the stored rows'."""
+        if not mla:
+            fp8_scales = (_or_one(layer.k_scale_float), _or_one(layer.v_scale_float))
+            return (*(fp8_scales if fp8 else (None, None)), layer.scaling, 1.0)
+        row = mla_scale(layer, self.triton_delegate)
+        return (row, row, layer.scaling, 1.0) if fp8 else (None, None, layer.scaling * row, row)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         if self.forward_metadata is None:
