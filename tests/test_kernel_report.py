@@ -72,7 +72,7 @@ def test_every_table_entry_compiles_for_every_layout(stats):
             assert (arch, head_dim) in fp8
         else:
             assert any((arch, head_dim, "fp32", layout) in built for layout in LAYOUTS)
-    for arch in ("sm80", "sm90"):
+    for arch in REPORT_ARCHS:
         assert {layout for a, _, dtype, layout in built if a == arch and dtype == "fp32"} == set(LAYOUTS)
     assert any(s.dtype == "bf16" for s in stats) and any(s.leftpad for s in stats)
     assert {s.group for s in stats} >= {1, 24, 64}
@@ -82,7 +82,7 @@ def test_every_table_entry_compiles_for_every_layout(stats):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
@@ -176,7 +176,7 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
     assert len(whole) == 4 and all(paged <= 1.02 * contiguous for paged, contiguous in whole), whole
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     """Every fp8 entry (both formats, every head dim): no spills in the K/V loop, 16-byte K and V
     loads, K/V double-buffered, 2+ programs per SM for D <= 128. V's 16-byte copies are the sign
@@ -218,7 +218,7 @@ def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
         assert s.shared_bytes <= d.shared_bytes, (s, d)
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_mla_kernels_read_each_latent_row_once(stats, arch):
     """MLA's 576/512 entries, V read from K's tile (``V_IN_K``): the K/V loop copies 576 x elem
     bytes per key (1152 at 16 bits, 576 fp8), not (576 + 512) x elem; every layout and feature

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 KB = 1024
 
 
@@ -105,3 +107,8 @@ def arch_for_capability(major: int, minor: int, device: str = "this device") -> 
     earlier = [a for a in ARCHS.values() if a.capability <= capability]
     same_major = [a for a in earlier if a.capability[0] == major]
     return max(same_major or earlier, key=lambda a: a.capability)
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one for ``"cuda"`` without an index."""
+    return device.index if device.index is not None else torch.cuda.current_device()

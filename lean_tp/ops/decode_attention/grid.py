@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import triton
 
-from lean_tp.ops.decode_attention.archs import ARCHS, PARTS, REPORT_PART, Arch, arch_for_capability
+from lean_tp.ops.decode_attention.archs import ARCHS, PARTS, REPORT_PART, Arch, arch_for_capability, cuda_index
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import check_launch_args, launch_args, plan_workspace
@@ -191,16 +191,11 @@ def grid_size(device: torch.device, variant: KernelVariant) -> int:
     """
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return sm_count(device) * _programs_per_sm_on(_cuda_index(device), variant)
+    return sm_count(device) * _programs_per_sm_on(cuda_index(device), variant)
 
 
 def sm_count(device: torch.device) -> int:
     """SMs the grid is spread over: the device's, or ``INTERPRETER_PROGRAMS`` (one program each) on CPU."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(_cuda_index(device)).multi_processor_count
-
-
-def _cuda_index(device: torch.device) -> int:
-    """The index of a CUDA device, the current one for ``"cuda"`` without an index."""
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(cuda_index(device)).multi_processor_count

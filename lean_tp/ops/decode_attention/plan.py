@@ -97,11 +97,17 @@ class KernelVariant:
         otherwise."""
         return self.features.num_tokens if self.features.batch_invariant else 1
 
+    @property
+    def unit_tokens(self) -> int:
+        """Query tokens in the rows of a schedule sequence's head unit: Tq, or 1 when each token is a
+        sequence of its own (``seq_tokens``)."""
+        return self.features.num_tokens // self.seq_tokens
+
     @functools.cached_property
     def constexprs(self) -> dict[str, Any]:
         """The kernel's compile-time arguments."""
         config, f = self.config, self.features
-        rows = f.num_tokens // self.seq_tokens * self.group
+        rows = self.unit_tokens * self.group
         block_g = block_g_for(rows, config)
         head_dim_v = self.head_dim_v or self.head_dim
         block_d = padded_head_dim(head_dim_v)
@@ -192,7 +198,7 @@ class DecodePlan:
     def max_span(self) -> int:
         """Keys of a schedule sequence that any of its queries sees: ``window + Tq - 1`` with a
         window (Tq its query tokens), else all of them (``NO_SPAN_LIMIT``)."""
-        tokens = self.features.num_tokens // (self.kernel.seq_tokens if self.kernel else 1)
+        tokens = self.kernel.unit_tokens if self.kernel else self.features.num_tokens
         return span_limit(self.window, tokens)
 
     @property

@@ -17,11 +17,12 @@ lean_tp.tools.kernel_report``, docs/kernel_report.md); none is timed on a GPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 
-from lean_tp.ops.decode_attention.archs import ARCHS, arch_for_capability
+from lean_tp.ops.decode_attention.archs import ARCHS, arch_for_capability, cuda_index
 from lean_tp.ops.utils import major_minor
 
 
@@ -638,8 +639,14 @@ def arch_of(device: torch.device) -> str:
     a device the kernel cannot run on."""
     if device.type != "cuda":
         return "interp"
-    major, minor = torch.cuda.get_device_capability(device)
-    return arch_for_capability(major, minor, torch.cuda.get_device_name(device)).key
+    return _cuda_arch(cuda_index(device))
+
+
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    """``arch_of`` of CUDA device ``index``, once per device: every call plans with it."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return arch_for_capability(major, minor, torch.cuda.get_device_name(index)).key
 
 
 def table_entry(arch: str, head_dim: int, elem_bytes: int) -> DecodeConfig | None:

@@ -256,7 +256,7 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
     if variants:
         jobs += [
             (arch, d, "fp16", "paged16", REPORT_GROUP, True, overrides, "")
-            for arch in ("sm80", "sm90")
+            for arch in REPORT_ARCHS
             for d in PADDED_HEAD_DIMS
         ]
     return jobs
@@ -307,7 +307,7 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
         # A batch-invariant variant takes its default-mode kernel's pick, which the tests compare it with.
         i = order.get((*kind[:-1], INVARIANT_BASE.get(kind[-1])), order[kind])
         by_arch = "fp8" in kind[-1] or kind[-1] == "all"
-        for arch in ("sm80", "sm90") if by_arch else (("sm80", "sm90")[i % 2],):
+        for arch in REPORT_ARCHS if by_arch else (REPORT_ARCHS[i % 2],):
             of_arch = [j for j in same_kind if j[0] == arch]
             if of_arch:
                 sample.append(of_arch[i % len(of_arch)])

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
+from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
 from lean_tp.tools.gpus import GPUModel
@@ -115,10 +116,9 @@ def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False)
 
 def schedule_lens(problem: Problem, variant: KernelVariant) -> list[int]:
     """Lengths of the schedule's sequences: the problem's, or, when the variant schedules each query
-    token as a sequence of its own (``KernelVariant.seq_tokens``), each token's keys up to its own
-    (``launch_args.token_lengths``)."""
-    tq = variant.seq_tokens
-    return [max(n - (tq - 1 - t), 0) for n in problem.lens for t in range(tq)]
+    token as a sequence of its own (``KernelVariant.seq_tokens``), each token's keys up to its own,
+    as the launch computes them (``launch_args.token_lengths``)."""
+    return token_lengths(torch.tensor(problem.lens, dtype=torch.int32), variant.seq_tokens).tolist()
 
 
 def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
@@ -201,7 +201,7 @@ def lean_sim_schedule(
             seg_end[(p, s.slot)] = gpu.hbm_latency_us + clocks[sm](done)
     kv_end = max(seg_end.values(), default=0.0)
     # A partial's real rows (masked padding rows move no bytes): fp32 acc, m and l.
-    rows = problem.num_tokens // variant.seq_tokens * (problem.n_heads // problem.n_kv_heads)
+    rows = variant.unit_tokens * (problem.n_heads // problem.n_kv_heads)
     partial = min(rows, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
     plan = merge_plan(programs)
     if batch_invariant:
