@@ -26,6 +26,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens  # noqa: E402
 from vllm_generate import SMALL_MLA  # noqa: E402
 
 import lean_tp.integrations.vllm as lean_vllm  # noqa: E402
@@ -112,6 +113,64 @@ def test_forward_mqa_fp8_latent_cache_and_split_q():
 
 def _layer(k_scale):
     return SimpleNamespace(_k_scale=k_scale)
+
+
+def _rank_shard(cache, decode, dcp: int, rank: int, interleave: int):
+    """DCP rank ``rank``'s latent cache and block table: of every sequence, the keys vLLM's
+    interleave gives it (``interleave`` consecutive keys a rank, rank after rank), in order, on
+    pages of its own."""
+    local_lens = get_dcp_local_seq_lens(decode.seq_lens, dcp, rank, interleave).tolist()
+    needed = [max(1, math.ceil(n / BLOCK)) for n in local_lens]
+    shard = torch.randn(sum(needed) + 1, BLOCK, cache.shape[-1]).to(cache.dtype)  # keys past a length: noise
+    table = torch.zeros(len(needed), max(needed), dtype=torch.int32)
+    page = 1
+    for b, n in enumerate(local_lens):
+        table[b, : needed[b]] = torch.arange(page, page + needed[b])
+        page += needed[b]
+        i = torch.arange(n)
+        j = i // interleave * interleave * dcp + rank * interleave + i % interleave  # the keys' global places
+        src = cache[decode.block_table[b, j // BLOCK].long(), j % BLOCK]
+        shard[table[b, i // BLOCK].long(), i % BLOCK] = src
+    return shard, table, torch.tensor(local_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "dcp,interleave,tq,causal",
+    [(2, 1, 1, True), (4, 16, 1, True), (2, 1, 3, True), (4, 1, 20, True), (2, 16, 2, False)],
+    ids=["dcp2", "dcp4-interleave16", "dcp2-mtp3", "dcp4-drafts20", "dcp2-interleave16-noncausal2"],
+)
+def test_decode_context_parallel_ranks_merge_to_float64(dcp, interleave, tq, causal):
+    """Decode context parallelism (``LeanMLAImpl.supports_dcp``): each rank holds its interleaved
+    share of every sequence's latent rows and runs forward_mqa over it with the metadata vLLM's
+    builder gives it (its keys in ``seq_lens``, the whole sequences' in ``dcp_tot_seq_lens``).
+    vLLM's DCP combine weights each rank's out by exp(its lse - the logsumexp of every rank's) and
+    sums over ranks (``correct_attn_out`` and the reduce-scatter of ``cp_lse_ag_out_rs``, natural
+    log: ``lse_base_on_e``); done here in float64, it equals float64 attention over the whole
+    sequences. Lengths leave some ranks no key of a sequence (out 0, lse -inf: weight 0); draft
+    blocks run one row per token, each mapped to the keys its rank holds. (vLLM's Triton
+    correction kernel does not run in the interpreter.)"""
+    assert LeanMLAImpl.supports_dcp and LeanMLAImpl.can_return_lse_for_decode
+    lens = [1, 3, 15, 16, 17, 100]
+    q, cache, decode = _decode_batch(lens, tq, torch.float32, seed=dcp + interleave + tq)
+    ref_out, ref_lse = _reference(q, cache, decode, tq, causal)
+    outs, lses = [], []
+    for rank in range(dcp):
+        shard, table, local_lens = _rank_shard(cache, decode, dcp, rank, interleave)
+        impl = _impl()
+        impl.dcp_world_size, impl.dcp_rank, impl.dcp_interleave = dcp, rank, interleave
+        local = SimpleNamespace(block_table=table, seq_lens=local_lens, dcp_tot_seq_lens=decode.seq_lens)
+        out, lse = impl.forward_mqa(q, shard, SimpleNamespace(decode=local, causal=causal), _layer(torch.ones(1)))
+        outs.append(out)
+        lses.append(lse)
+    every_lse = torch.stack(lses).double()
+    total_lse = torch.logsumexp(every_lse, 0)
+    weights = torch.exp(every_lse - total_lse).nan_to_num(0.0)  # a sequence with no key anywhere: 0
+    merged = sum(w[..., None] * out.double() for w, out in zip(weights, outs))
+    torch.testing.assert_close(merged, ref_out, atol=TOL[torch.float32], rtol=0)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(total_lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+    empty = torch.isneginf(every_lse)
+    assert empty.any() and (torch.stack(outs)[empty] == 0).all()
 
 
 def test_forward_mqa_on_the_kernel_and_batch_invariant_mode(monkeypatch):

@@ -33,6 +33,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
 from lean_tp.integrations.vllm.backend import FP8_CACHE_DTYPES, PAGE_SIZES, LeanGroup, lean_groups, op_backend
 from lean_tp.ops.decode_attention import decode_attention
@@ -55,11 +56,12 @@ def lean_forward_mqa(
     requests x a uniform query length, or any lengths with ``decode.groups`` (one lean call per
     length); kv_cache (num_blocks, block_size, rank + rope), fp8 viewed as such by vLLM, with
     ``layer._k_scale`` for the latent rows. Returns out (rows, H, rank) in q's dtype and lse
-    (rows, H) float32, natural log.
+    (rows, H) float32, natural log: under decode context parallelism (DCP) the attention over this
+    rank's keys, which vLLM's DCP combine merges across ranks by the lse.
 
     A causal block of up to ``MAX_QUERY_TOKENS`` drafts per request (any number in the
-    batch-invariant mode) runs as one query of Tq tokens; longer or non-causal blocks run one row
-    per query token, each with its own length, as vLLM's Triton MLA does.
+    batch-invariant mode) runs as one query of Tq tokens; longer or non-causal blocks, and every
+    multi-token block under DCP, run one row per query token, each with its own length.
     """
     if isinstance(q, tuple):
         q = torch.cat(q, dim=-1)
@@ -67,7 +69,8 @@ def lean_forward_mqa(
     causal = getattr(metadata, "causal", True)
     groups = getattr(decode, "groups", None)
     if not groups:
-        return _mqa(impl, q, kv_cache, decode.seq_lens, decode.block_table, causal, layer)
+        lens = decode.seq_lens if impl.dcp_world_size == 1 else decode.dcp_tot_seq_lens
+        return _mqa(impl, q, kv_cache, lens, decode.block_table, causal, layer)
     rows, heads = q.shape[:2]
     out = q.new_zeros(rows, heads, impl.kv_lora_rank)
     lse = torch.zeros(rows, heads, dtype=torch.float32, device=q.device)
@@ -79,23 +82,27 @@ def lean_forward_mqa(
 
 
 def _mqa(impl, q, kv_cache, seq_lens, block_table, causal: bool, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """One lean call: q (rows, H, rank + rope), rows = requests x one query length."""
-    seq_lens, block_table = seq_lens.to(torch.int32), block_table.to(torch.int32)
+    """One lean call: q (rows, H, rank + rope), rows = requests x one query length; seq_lens
+    (requests,) keys of each whole sequence (under DCP, over every rank: each row's extent is
+    mapped to the keys this rank holds, by vLLM's own interleave rule)."""
     requests, (rows, heads, _) = seq_lens.shape[0], q.shape
     tq = rows // requests if requests else 1
+    dcp = impl.dcp_world_size
     kv = kv_cache.unsqueeze(2)  # one latent "head"
     scale = layer._k_scale if kv.dtype in FP8_CACHE_DTYPES.values() else None
-    if tq > 1 and not (causal and tq <= max_query_tokens(impl.batch_invariant)):
+    if tq > 1 and not (causal and tq <= max_query_tokens(impl.batch_invariant) and dcp == 1):
         block_table = block_table.repeat_interleave(tq, dim=0)
         offsets = torch.arange(1 - tq, 1, device=seq_lens.device, dtype=seq_lens.dtype) if causal else 0
-        seq_lens = (seq_lens[:, None] + offsets).expand(-1, tq).flatten().clamp_min(0).to(torch.int32)
+        seq_lens = (seq_lens[:, None] + offsets).expand(-1, tq).flatten().clamp_min(0)
         tq = 1
+    if dcp > 1:
+        seq_lens = get_dcp_local_seq_lens(seq_lens, dcp, impl.dcp_rank, impl.dcp_interleave)
     out, lse = decode_attention(
         q.view(rows // tq, tq, heads, -1) if tq > 1 else q,
         kv,
         kv[..., : impl.kv_lora_rank],
-        seq_lens,
-        block_table=block_table,
+        seq_lens.to(torch.int32),
+        block_table=block_table.to(torch.int32),
         softmax_scale=impl.scale,
         return_lse=True,
         backend=impl.op_backend,
@@ -106,13 +113,20 @@ def _mqa(impl, q, kv_cache, seq_lens, block_table, causal: bool, layer) -> tuple
     return out.view(rows, heads, -1), lse.view(rows, heads)
 
 
+def _dcp_interleave() -> int:
+    """Consecutive keys a DCP rank holds before the next rank's (vLLM's
+    ``cp_kv_cache_interleave_size``; 1 outside an engine)."""
+    config = get_current_vllm_config_or_none()
+    return 1 if config is None else config.parallel_config.cp_kv_cache_interleave_size
+
+
 class LeanMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """GPU: vLLM's MLA common impl (its prefill path, as Triton MLA runs it) with decode on lean.
     Every attribute lean reads is set here, so no parent's ``__init__`` matters beyond
     ``MLACommonImpl``'s. fp8 latent caches (e4m3) run on sm_80 too: the kernel converts e4m3 by
-    hand there."""
+    hand there. Decode context parallelism: ``forward_mqa`` returns each rank's lse."""
 
-    supports_dcp: bool = False
+    supports_dcp: bool = True
     can_return_lse_for_decode: bool = True
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -134,6 +148,7 @@ class LeanMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if kv_cache_dtype in FP8_CACHE_DTYPES:
             self.supports_quant_query_input = False  # bf16 q against the fp8 latent rows
         self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+        self.dcp_interleave = _dcp_interleave()
         _no_prefix_caching_when_invariant(self.batch_invariant)
 
     def reserve_workspace(self) -> None:
@@ -153,6 +168,7 @@ class LeanCPUMLAImpl(CPUMLAImpl):
     def __init__(self, *args, **mla_args) -> None:
         super().__init__(*args, **mla_args)
         self.op_backend, self.batch_invariant = op_backend(), bool(envs.VLLM_BATCH_INVARIANT)
+        self.dcp_interleave = _dcp_interleave()
         _no_prefix_caching_when_invariant(self.batch_invariant)
 
     def reserve_workspace(self) -> None:
@@ -228,7 +244,9 @@ class LeanMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         # A (B, Tq) view of the decode rows needs one length, or padding requests on padded tokens.
         uniform = bool(((lens == longest) | (lens == 0)).all()) and num_decode_tokens == lens.numel() * longest
         if self.batch_invariant and not uniform:
-            groups = lean_groups(query_start_loc_cpu, range(lens.numel()), longest, seq_lens_device, block_table_tensor)
+            # Under DCP, groups carry whole-sequence lengths: forward_mqa maps each row's to this rank's.
+            whole = seq_lens_device if dcp_tot_seq_lens_device is None else dcp_tot_seq_lens_device
+            groups = lean_groups(query_start_loc_cpu, range(lens.numel()), longest, whole, block_table_tensor)
         return LeanMLADecodeMetadata(block_table_tensor, seq_lens_device, dcp_tot_seq_lens_device, groups)
 
 
