@@ -7,6 +7,7 @@ NaN-filled before each launch: a partial read before it was written, or an outpu
 fails the comparison.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -14,7 +15,6 @@ import torch
 import triton.runtime.interpreter as interpreter
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
-from lean_tp.ops.decode_attention import launcher
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
@@ -44,7 +44,7 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
 
 
-def run(inputs: dict, num_programs: int, batch_invariant: bool = False):
+def run(inputs: dict, num_programs: int, batch_invariant: bool = False, config: DecodeConfig = CONFIG):
     """(out, lse, counters) of one launch with NaN-filled out, lse and workspace."""
     q = inputs["q"]
     scales = {
@@ -53,7 +53,7 @@ def run(inputs: dict, num_programs: int, batch_invariant: bool = False):
         if (v := inputs.get(k)) is not None
     }
     call = {**inputs, **scales, "softmax_scale": q.shape[-1] ** -0.5}
-    plan = plan_decode(**call, num_programs=num_programs, config=CONFIG, batch_invariant=batch_invariant)
+    plan = plan_decode(**call, num_programs=num_programs, config=config, batch_invariant=batch_invariant)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
     out, lse = decode_attention_fwd(
@@ -67,14 +67,16 @@ def run(inputs: dict, num_programs: int, batch_invariant: bool = False):
     return out, lse, counters
 
 
-def plan_of(inputs: dict, num_programs: int) -> dict:
+def plan_of(inputs: dict, num_programs: int, config: DecodeConfig = CONFIG) -> dict:
     """The merge plan the schedule code writes for this call (window: its tiled span)."""
     q = inputs["q"]
     hkv = CacheLayout.of(inputs["k_cache"], inputs["v_cache"], inputs["block_table"]).num_kv_heads
     tq = q.shape[1] if q.dim() == 4 else 1
     span = {"max_span": inputs["window"] + tq - 1} if inputs.get("window") else {}
     lens = inputs["cache_seqlens"] - (inputs["cache_leftpad"] if inputs.get("cache_leftpad") is not None else 0)
-    return merge_plan(lean_schedule(lens.to(torch.int32), hkv, TILE, num_programs, **span))
+    return merge_plan(
+        lean_schedule(lens.to(torch.int32), hkv, TILE, num_programs, max_contributors=config.max_contributors, **span)
+    )
 
 
 @pytest.mark.parametrize("tq,group", [(1, 1), (4, 2)])
@@ -90,16 +92,16 @@ def test_one_output_split_over_the_whole_grid(tq, group):
     assert [len(g) for g in groups] == [MERGE_FANIN] * 7 + [7]
 
 
-def test_more_contributors_than_the_cap(monkeypatch):
-    """The tree is exact for any contributor count; the cap only bounds its chain. 72 contributors:
-    9 groups, so the second level takes three waves of 4 loads."""
-    monkeypatch.setattr(launcher, "MAX_CONTRIBUTORS", 10**6)
-    monkeypatch.setattr(launcher, "MIN_TILES_PER_PROGRAM", 1)
+def test_more_contributors_than_the_cap():
+    """The tree is exact for any contributor count; the cap (``DecodeConfig.max_contributors``,
+    sm_100's 96) only bounds its chain. 72 contributors: 9 groups, so the second level takes
+    three waves of 4 loads."""
+    config = dataclasses.replace(CONFIG, max_contributors=96)
     inputs = make_feature_inputs([72 * TILE - 3], 8, 1, 64, torch.float32, "contiguous", seed=3)
-    out, lse, counters = run(inputs, 72)
+    out, lse, counters = run(inputs, 72, config=config)
     assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
     assert (counters == 0).all()
-    (groups,) = plan_of(inputs, 72).values()
+    (groups,) = plan_of(inputs, 72, config).values()
     assert len(groups) == 9 and sum(map(len, groups)) == 72
 
 

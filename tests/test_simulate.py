@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MERGE_FANIN
+from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUTORS, MERGE_FANIN
 from lean_tp.tools.simulate import (
     GPUS,
     LINKS,
@@ -24,6 +24,7 @@ from lean_tp.tools.simulate import (
     fa2_splits,
     flashmla_schedule,
     flex_splits,
+    link_of,
     main,
     mla_sweep_problems,
     rank_heads,
@@ -112,6 +113,18 @@ def test_tensor_parallel_rank_keeps_the_merge_chain_bounded():
     assert 0 < lean.merge_us < 0.2 * lean.time_us
 
 
+def test_b200_splits_one_output_over_more_programs():
+    """On a B200 an output's 64 contributors keep 4 MB in flight, under Little's law's 5.5 MB
+    (tools.gpus), so sm_100's entries let 96 programs share one (``B200_CONTRIBUTORS``): the
+    TP-8 rank at B=1 and 1M keys spreads over more than MAX_CONTRIBUTORS programs, still merged
+    in two levels, and reads at least as fast as with 64."""
+    lean = simulate(Problem((1 << 20,), 8, 1), "B200")["lean"]
+    assert MAX_CONTRIBUTORS < lean.units <= B200_CONTRIBUTORS
+    assert lean.chain <= MERGE_FANIN + B200_CONTRIBUTORS // MERGE_FANIN
+    with_64 = lean_sim_schedule(Problem((1 << 20,), 8, 1), GPUS["B200"], 1, max_contributors=MAX_CONTRIBUTORS)
+    assert with_64.units <= MAX_CONTRIBUTORS and lean.time_us < with_64.time_us
+
+
 def test_rank_heads_replicates_kv_heads_and_rejects_bad_tp():
     assert rank_heads(32, 8, 16) == (2, 1)
     with pytest.raises(ValueError, match="--tp: expected a divisor of the 64 query heads, got 3"):
@@ -178,7 +191,8 @@ def test_cp_exchange_model_and_rows():
     """The exchange: a link's fixed cost plus (cp - 1) partials over it (NVLink inside a node, the
     network when the ranks span nodes), then a merge launch; rows put the KV memory of every layer
     beside the kernel and exchange time of one."""
-    nvlink, network = LINKS["nvlink"][1], LINKS["network"][1]
+    nvlink, network = LINKS["H100"]
+    assert link_of(H100, 8) == nvlink and link_of(H100, 16) == network
     partial = 8 * 8 * 129 * 4
     assert cp_merge_us(8, 8, 128, 4, 1, H100) == 0.0
     assert cp_merge_us(8, 8, 128, 4, 2, H100) == pytest.approx(nvlink.latency_us + partial / 450e3 + 1.0)
@@ -228,7 +242,7 @@ def test_cli_cp_sweep_json_table_and_plot(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| H100 | llama-3-70b | 16 | 8 x 2 | 8 | 1048576 | B=8 Hq=8 Hkv=1 D=128 len 524288 |" in out
     data = json.loads(out_json.read_text())
-    assert data["links"]["network"][1]["gbps"] == 50.0 and "latency_us" in data["link_sources"]
+    assert data["links"]["H100"][1]["gbps"] == 50.0 and "latency_us" in data["link_sources"]
     assert len(data["rows"]) == len(cp_sweep_cases()) and png.stat().st_size > 10_000
 
 

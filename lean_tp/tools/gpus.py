@@ -33,20 +33,36 @@ class GPUModel:
 
 
 GPUS = {
-    "A100": GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0),
-    "H100": GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0),
+    g.name: g
+    for g in (
+        GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0),
+        GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0),
+        GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0),
+        GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0),
+    )
 }
+# The GPUs a sweep models unless --gpu names others: the ones its published tables were made on.
+DEFAULT_GPUS = ("A100", "H100")
 MODEL_SOURCES = {
-    "sms": "NVIDIA A100 and H100 (SXM) whitepapers: 108 and 132 SMs",
+    "sms": "NVIDIA A100 and H100 (SXM) whitepapers: 108 and 132 SMs; B200: 148 (Chips and Cheese, 'Nvidia's "
+    "B200: Keeping the CUDA Juggernaut Rolling', 2025, and the driver's count in pytorch/ao #4002); L40S "
+    "datasheet: 142",
     "clock_ghz": "Chips and Cheese, 'Nvidia's H100: Funny L2, and Tons of Bandwidth' (2023): 1755 MHz H100 boost, "
-    "A100 held at 1410 MHz under load",
+    "A100 held at 1410 MHz under load; B200 1965 MHz and L40S 2520 MHz boost (NVIDIA specifications), assumed "
+    "held under load (Chips and Cheese 2025 finds B200's clocks like H100 SXM5's)",
     "hbm_tbps": "H100: ~3.0 TB/s device-to-device copy as measured on an H100 SXM; "
-    "A100: ~1.5 TB/s as measured on A100-SXM4 parts (peak 1.55-2.0 TB/s)",
-    "hbm_latency_us": "loaded latency for Little's law, 0.6-0.8 us as measured on an H100 SXM; A100 assumed 0.6 us",
+    "A100: ~1.5 TB/s as measured on A100-SXM4 parts (peak 1.55-2.0 TB/s); "
+    "B200 and L40S: 0.9 of their peaks, H100's measured copy share (3.0 of 3.35 TB/s), unmeasured here: "
+    "B200 7.67 TB/s (7680-bit bus at 3996 MHz, pytorch/ao #4002; decode kernels reach 5.3-5.8 TB/s, "
+    "flash-attention #2104 and FlashInfer #1415), L40S 864 GB/s (datasheet)",
+    "hbm_latency_us": "loaded latency for Little's law, 0.6-0.8 us as measured on an H100 SXM; A100 assumed 0.6 us; "
+    "B200 assumed 0.8 us (HBM3e behind two dies), L40S 0.6 us (GDDR6): unmeasured",
     "l2_latency_cycles": "L2 hit ~260 cycles on H100 (Chips and Cheese 2023); ~200 cycles on A100 "
-    "(Chips and Cheese 2023, Jia et al., 'Dissecting the Ampere GPU architecture', GTC 2021)",
-    "l2_bytes_per_clk_per_sm": "A100 whitepaper: 5120 B/clk L2 read bandwidth over 108 SMs = 47; H100 assumed 64 "
-    "(unmeasured)",
+    "(Chips and Cheese 2023, Jia et al., 'Dissecting the Ampere GPU architecture', GTC 2021); B200 ~150 ns "
+    "(Chips and Cheese 2025) at 1965 MHz; L40: 279 cycles on average over its SMs, 222-339 by SM "
+    "(arXiv 2606.22588), taken for the L40S (the same AD102 die)",
+    "l2_bytes_per_clk_per_sm": "A100 whitepaper: 5120 B/clk L2 read bandwidth over 108 SMs = 47; H100, B200 and "
+    "L40S assumed 64 (unmeasured)",
     "launch_gap_us": "assumed 1 us between dependent kernels inside a CUDA graph (unmeasured here)",
 }
 
@@ -60,17 +76,28 @@ class Link:
     latency_us: float  # a small collective's fixed cost over this link
 
 
-# (A100 link, H100 link) by kind; a collective whose ranks span nodes runs at the network's figures.
+# Each GPU's (link inside a node, link across nodes); a collective whose ranks span nodes runs at
+# the network's figures.
 LINKS = {
-    "nvlink": (Link("NVLink 3", 300.0, 10.0), Link("NVLink 4", 450.0, 10.0)),
-    "network": (Link("HDR InfiniBand", 25.0, 20.0), Link("NDR InfiniBand", 50.0, 20.0)),
+    "A100": (Link("NVLink 3", 300.0, 10.0), Link("HDR InfiniBand", 25.0, 20.0)),
+    "H100": (Link("NVLink 4", 450.0, 10.0), Link("NDR InfiniBand", 50.0, 20.0)),
+    "B200": (Link("NVLink 5", 900.0, 10.0), Link("ConnectX-7 400G", 50.0, 20.0)),
+    "L40S": (Link("PCIe 4.0 x16", 32.0, 15.0), Link("ConnectX-7 400G, 2 GPUs a port", 25.0, 20.0)),
 }
 LINK_SOURCES = {
     "gbps": "NVIDIA A100 and H100 (SXM) whitepapers: NVLink 600 and 900 GB/s per GPU, both directions together; "
     "one 200 Gb/s HDR (A100 systems) or 400 Gb/s NDR (H100 systems) InfiniBand adapter per GPU (DGX A100 "
-    "and DGX H100 user guides)",
-    "latency_us": "assumed, unmeasured here: NCCL's small-message collectives take ~10 us within an NVSwitch node "
-    "and ~20 us across InfiniBand nodes",
-    "gpus_per_node": "8 GPUs per node (DGX/HGX A100 and H100)",
+    "and DGX H100 user guides); B200: NVLink 5 1.8 TB/s both directions (Blackwell datasheet), one 400 Gb/s "
+    "ConnectX-7 a GPU (DGX B200 user guide; InferenceX's B200 system, ai-dynamo/aisimulate #157); L40S: no "
+    "NVLink, PCIe 4.0 x16 64 GB/s both directions (L40S datasheet), one 400 Gb/s adapter a GPU pair assumed",
+    "latency_us": "assumed, unmeasured here: NCCL's small-message collectives take ~10 us within an NVSwitch node, "
+    "~15 us over PCIe and ~20 us across InfiniBand nodes",
+    "gpus_per_node": "8 GPUs per node (DGX/HGX A100, H100 and B200; 8-GPU L40S servers)",
 }
 GPUS_PER_NODE = 8
+
+
+def link_of(gpu: GPUModel, ranks: int) -> Link:
+    """The link a collective over ``ranks`` consecutive GPUs runs at: the node's when they fit in one."""
+    inside, across = LINKS[gpu.name]
+    return inside if ranks <= GPUS_PER_NODE else across

@@ -57,7 +57,8 @@ ARCHS: dict[str, Arch] = {
         Arch("sm90", (9, 0), "sm90", 228 * KB, 227 * KB, 2048, 32, True, "H100, H200: Hopper"),
         Arch(
             "sm100", (10, 0), "sm90", 228 * KB, 227 * KB, 2048, 32, True,
-            "B200, GB200, B300 (sm_103): Blackwell data center, Hopper's shared memory and occupancy",
+            "B200, GB200, B300 (sm_103): Blackwell data center, Hopper's shared memory and occupancy; sm_90's "
+            "entries, an output spread over up to 96 programs (tuning._B200)",
         ),
         Arch(
             "sm120", (12, 0), "sm80", 100 * KB, 99 * KB, 1536, 32, True,

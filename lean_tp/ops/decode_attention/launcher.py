@@ -264,6 +264,7 @@ def lean_schedule(
     max_span: int = NO_SPAN_LIMIT,
     num_sms: int | None = None,
     capacity: int | None = None,
+    max_contributors: int | None = None,
 ) -> list[list[Segment]]:
     """The kernel's stream-K schedule and merge tree, computed by the kernel's own schedule code.
 
@@ -278,6 +279,8 @@ def lean_schedule(
         num_sms: SMs the grid is spread over (a divisor of num_programs); default num_programs.
         capacity: most keys a sequence holds; each length is clamped to [0, capacity] as a
             launch clamps it. Default: the longest length (at least 1).
+        max_contributors: most programs that share one output (``DecodeConfig.max_contributors``);
+            default ``MAX_CONTRIBUTORS``.
 
     Returns:
         One list of ``Segment`` per active program; inactive programs are omitted.
@@ -302,7 +305,7 @@ def lean_schedule(
             max_span,
             TILE_N=tile_n,
             MIN_TILES=MIN_TILES_PER_PROGRAM,
-            MAX_CONTRIB=MAX_CONTRIBUTORS,
+            MAX_CONTRIB=max_contributors or MAX_CONTRIBUTORS,
             FANIN=MERGE_FANIN,
             BLOCK_B=SCHEDULE_BLOCK_B,
             MAX_SEGS=room,

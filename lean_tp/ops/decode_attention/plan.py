@@ -21,7 +21,6 @@ from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.tuning import (
     INVARIANT_GROUP_CHUNKS,
     INVARIANT_SUPER_GROUPS,
-    MAX_CONTRIBUTORS,
     MERGE_FANIN,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
@@ -128,7 +127,7 @@ class KernelVariant:
             "PAGED": paged,
             "PAGE_SIZE": self.page_size or 1,
             "MIN_TILES": MIN_TILES_PER_PROGRAM,
-            "MAX_CONTRIB": MAX_CONTRIBUTORS,
+            "MAX_CONTRIB": config.max_contributors,
             "FANIN": MERGE_FANIN,
             "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
             "BLOCK_B": SCHEDULE_BLOCK_B,

@@ -25,6 +25,20 @@ import triton
 from lean_tp.ops.decode_attention.archs import ARCHS, arch_for_capability, cuda_index
 from lean_tp.ops.utils import major_minor
 
+# The merge tree of a split output (docs/design.md, "The merge tree"). Contributors are grouped by
+# program index into groups of MERGE_FANIN; the last arriver of each group merges it, and the last
+# group merger merges the groups. The serial chain is then at most MERGE_FANIN + ceil(C / MERGE_FANIN)
+# partials for C contributors. At 8, a group's partials of the TP shape (8 rows x D=128, fp32: 4 KB
+# each, 32 KB a group) take ~0.3 us of the merger's L2 port on an H100, and 8 x 8 covers
+# MAX_CONTRIBUTORS.
+MERGE_FANIN = 8
+# Most programs that share one output: MERGE_FANIN ** 2 keeps the chain within 2 x MERGE_FANIN = 16
+# partials. The schedule's cost rule gives each program at least cdiv(T - 1, 63) of an output's T
+# tiles instead of splitting it further. In the simulator's model (``lean_tp.tools.simulate``) 64 programs
+# on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
+# so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
+MAX_CONTRIBUTORS = MERGE_FANIN**2
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
@@ -66,6 +80,9 @@ class DecodeConfig:
     # V's head dim when it is below K's (MLA: a 576-dim latent + rope row as K, its first 512 dims
     # as V); None for equal head dims. The table's key names K's head dim.
     head_dim_v: int | None = None
+    # Most programs that share one output (the schedule's cost rule): MAX_CONTRIBUTORS unless an
+    # architecture needs more programs to keep an output's reads at copy bandwidth (see _B200).
+    max_contributors: int = MAX_CONTRIBUTORS
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
@@ -95,19 +112,6 @@ class DecodeConfig:
 # 3.4 us; with 1, 32 programs and 2.7 us (FlashDecoding: 2.7 us).
 MIN_TILES_PER_PROGRAM = 1
 
-# The merge tree of a split output (docs/design.md, "The merge tree"). Contributors are grouped by
-# program index into groups of MERGE_FANIN; the last arriver of each group merges it, and the last
-# group merger merges the groups. The serial chain is then at most MERGE_FANIN + ceil(C / MERGE_FANIN)
-# partials for C contributors. At 8, a group's partials of the TP shape (8 rows x D=128, fp32: 4 KB
-# each, 32 KB a group) take ~0.3 us of the merger's L2 port on an H100, and 8 x 8 covers
-# MAX_CONTRIBUTORS.
-MERGE_FANIN = 8
-# Most programs that share one output: MERGE_FANIN ** 2 keeps the chain within 2 x MERGE_FANIN = 16
-# partials. The schedule's cost rule gives each program at least cdiv(T - 1, 63) of an output's T
-# tiles instead of splitting it further. In the simulator's model (``lean_tp.tools.simulate``) 64 programs
-# on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
-# so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
-MAX_CONTRIBUTORS = MERGE_FANIN**2
 
 # Batch-invariant mode (invariant.py): an output's chunks are folded in fixed groups of
 # INVARIANT_GROUP_CHUNKS, the groups' values in supergroups of INVARIANT_SUPER_GROUPS, and the
@@ -627,6 +631,21 @@ TUNING_TABLE[("sm100", 64, 2)] = dataclasses.replace(
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 TABLE_HEAD_DIMS = (64, 128, 256)
+
+# B200 (sm_100: 148 SMs, 6.9 TB/s modelled copy bandwidth, 0.8 us loaded latency; tools/gpus.py):
+# an output split over MAX_CONTRIBUTORS programs keeps 64 x 64 KB = 4 MB in flight, under Little's
+# law's 6.9 TB/s x 0.8 us = 5.5 MB, so one long sequence on one KV head (a TP-8 rank at B=1)
+# streams below copy bandwidth: the simulator's Llama-3-70B rank at B=1 takes 0.63-0.74x
+# FlashDecoding's time from 16k to 1M keys. 96 contributors (12 merge groups: a chain of at most
+# 8 + 12 partials) give 0.84x at 16k, 0.85x at 64k and 0.99x at 1M; 128 give 0.80x, 0.93x and
+# 0.99x but spread B=4 at 16k over every program (1.04x -> 0.85x: its merges outweigh the read).
+# MLA keeps 64: its partials are 4-8x wider, so each link of the chain costs more.
+_B200 = "; sm_100: 96 contributors an output (Little's law at 6.9 TB/s; simulator)"
+B200_CONTRIBUTORS = 12 * MERGE_FANIN
+for _key in [("sm100", d, elem) for d in TABLE_HEAD_DIMS for elem in (1, 2)]:
+    _entry = TUNING_TABLE.get(_key) or TUNING_TABLE[("sm90", *_key[1:])]
+    TUNING_TABLE[_key] = dataclasses.replace(_entry, max_contributors=B200_CONTRIBUTORS, reason=_entry.reason + _B200)
+del _key, _entry
 
 
 def padded_head_dim(head_dim: int) -> int:

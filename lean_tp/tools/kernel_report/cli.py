@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sample",
         action="store_true",
-        help="each feature and variant on one head dim per arch, not on every entry (the CPU tests)",
+        help="each feature and variant on one head dim per arch, not on every entry (the CPU tests); with --archs: "
+        "paged16 and fp32 rows alone (CI's check)",
     )
     p.add_argument(
         "--archs",

@@ -110,9 +110,9 @@ class KernelStats:
         return self.kv_copy_bytes * self.num_warps * 32 / self.block_n
 
     @property
-    def gpu(self) -> GPUModel:
-        """The modelled GPU of this arch (``tools.gpus.GPUS``)."""
-        return next(g for g in GPUS.values() if g.arch == self.arch)
+    def gpu(self) -> GPUModel | None:
+        """The modelled GPU of this arch's report part (``tools.gpus.GPUS``), if it is modelled."""
+        return GPUS.get(REPORT_PART[self.arch])
 
     @property
     def kv_tile_bytes(self) -> int:
@@ -146,7 +146,7 @@ class KernelStats:
 
     def as_json(self) -> dict:
         derived = ["kv_tile_bytes", "kv_bytes_buffered", "bytes_per_key"]
-        if any(g.arch == self.arch for g in GPUS.values()):  # the time model's GPUs: sm_80 and sm_90
+        if self.gpu is not None:
             derived += ["issue_share", "littles_law_bytes"]
         return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
 
@@ -262,21 +262,25 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
     return jobs
 
 
+# What ``arch_jobs`` compiles beside each entry's decode and e4m3 rows: the batch-invariant
+# variant (its own register caps and stages) and every serving feature at once, paged16.
+ARCH_FEATURES = ("invariant", "all")
+
+
 def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> list[tuple]:
     """Every architecture beyond the report's two, against its own limits: each head dim's entry
     (the architecture's own or the one it takes, ``Arch.tuning``) on the contiguous and paged16
-    layouts, 16-bit and e4m3, and fp32 on one layout. ``sample`` (the CPU tests): paged16 only, the
-    16-bit D=64 row and the e4m3 rows of D=256 and MLA, the largest blocks a 99 KB part takes."""
+    layouts, 16-bit and e4m3, fp32 on one layout, and ``ARCH_FEATURES`` on paged16. ``sample``
+    (CI's check): paged16 alone, the layout that stages the most, beside fp32's one layout."""
     jobs = []
     for arch in archs:
         for head_dim in (*TABLE_HEAD_DIMS, *(k for k, _ in head_dim_pairs())):
             group = report_group(head_dim)
             for layout in ("paged16",) if sample else ("contiguous", "paged16"):
-                for feature in ("", "fp8_e4m3"):
-                    if not sample or (head_dim, feature) in ((64, ""), (256, "fp8_e4m3"), (576, "fp8_e4m3")):
-                        jobs.append((arch, head_dim, "fp16", layout, group, False, (), feature))
-            if not sample and not paired_head_dim_v(head_dim):
+                jobs += [(arch, head_dim, "fp16", layout, group, False, (), f) for f in ("", "fp8_e4m3")]
+            if not paired_head_dim_v(head_dim):
                 jobs.append((arch, head_dim, "fp32", "contiguous", group, False, (), ""))
+            jobs += [(arch, head_dim, "fp16", "paged16", group, False, (), f) for f in ARCH_FEATURES]
     return jobs
 
 
@@ -330,17 +334,23 @@ def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = T
 def arch_markdown(rows: list[KernelStats]) -> str:
     """The other architectures' rows, each against its own per-block shared-memory limit."""
     lines = [
-        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | smem limit KB | programs/SM "
-        "| K / V load B | K/V buffers | BLOCK_N |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arch | D | dtype / feature | layout | regs | spill B | loop spills | smem KB | smem limit KB | programs/SM "
+        "| K / V load B | K/V buffers | BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         dtype = r.features.removeprefix("fp8_") if r.features else r.dtype
+        # The issue share and Little's law need the part's time model (tools.gpus.GPUS).
+        budget = (
+            "- | -"
+            if r.gpu is None
+            else f"{r.issue_share:.2f} | {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f}"
+        )
         lines.append(
             f"| {r.arch} | {_dims(r)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} | {ARCHS[r.arch].smem_per_block // 1024} "
             f"| {r.programs_per_sm} ({REPORT_PART[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} "
-            f"| {r.block_n} |"
+            f"| {r.block_n} | {r.sass_per_iter} | {budget} |"
         )
     return "\n".join(lines) + "\n"
 

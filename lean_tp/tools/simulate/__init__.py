@@ -1,7 +1,7 @@
 """Decode simulator: LeanAttention's schedule and merge tree against fixed-split kernels and their
-combine kernels, in modelled time on an A100 or an H100.
+combine kernels, in modelled time on an A100, H100, B200 or L40S (A100 and H100 unless ``--gpu`` says).
 
-    python -m lean_tp.tools.simulate --gpu A100 H100 --batch 4 --heads 32 --kv-heads 8 --lens 65536
+    python -m lean_tp.tools.simulate --gpu A100 H100 B200 --batch 4 --heads 32 --kv-heads 8 --lens 65536
     python -m lean_tp.tools.simulate --model llama-3-70b --tp 8 --batch 1 --lens 32768    # one rank of TP=8
     python -m lean_tp.tools.simulate --tp-sweep --json sweep.json                         # every preset, B 1-64, 1k-1M
     python -m lean_tp.tools.simulate --cp-sweep --gpu H100                                # TP alone vs TP x CP
@@ -16,7 +16,7 @@ combine kernels, in modelled time on an A100 or an H100.
     ../gpus.py    the GPU and link constants, each with its source
 """
 
-from lean_tp.tools.gpus import GPUS, LINKS, GPUModel
+from lean_tp.tools.gpus import GPUS, LINKS, GPUModel, link_of
 from lean_tp.tools.simulate.cli import main
 from lean_tp.tools.simulate.deterministic import (
     ENGINE_CONSTANTS,
@@ -59,10 +59,10 @@ from lean_tp.tools.simulate.tables import (
 __all__ = [
     "ENGINE_CONSTANTS",
     "ENGINE_VERSIONS",
+    "GPUModel",
     "GPUS",
     "LINKS",
     "MODEL_PRESETS",
-    "GPUModel",
     "Problem",
     "Schedule",
     "cp_layouts",
@@ -76,6 +76,7 @@ __all__ = [
     "fa2_splits",
     "flashmla_schedule",
     "flex_splits",
+    "link_of",
     "main",
     "mla_sweep_problems",
     "rank_heads",

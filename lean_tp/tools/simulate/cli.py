@@ -16,7 +16,7 @@ import torch
 from lean_tp import cli
 from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.utils import interpreted
-from lean_tp.tools.gpus import GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
+from lean_tp.tools.gpus import DEFAULT_GPUS, GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_VERSIONS
 from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_deterministic_sweep, plot_gantt, plot_mla_sweep, plot_sweep
 from lean_tp.tools.simulate.problems import (
@@ -64,7 +64,13 @@ def _parser() -> cli.ArgumentParser:
         prog="python -m lean_tp.tools.simulate",
         description="Decode simulator: LeanAttention against fixed-split kernels, in modelled time.",
     )
-    p.add_argument("--gpu", nargs="+", default=list(GPUS), type=cli.choice(*GPUS), help="GPUs to model (A100 H100)")
+    p.add_argument(
+        "--gpu",
+        nargs="+",
+        default=list(DEFAULT_GPUS),
+        type=cli.choice(*GPUS),
+        help=f"GPUs to model ({' '.join(DEFAULT_GPUS)}; also {' '.join(g for g in GPUS if g not in DEFAULT_GPUS)})",
+    )
     # The one-problem flags default to None, so that a sweep can tell that one was given (and refuse it).
     p.add_argument("--batch", type=cli.integer(1, MAX_BATCH), help="sequences, when --lens is one length (4)")
     p.add_argument("--heads", type=cli.integer(1, MAX_HEADS), help="query heads (with --tp: of the whole model) (32)")
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "model": {g: dataclasses.asdict(GPUS[g]) for g in args.gpu},
                 "sources": MODEL_SOURCES,
-                **({"links": LINKS, "link_sources": LINK_SOURCES} if args.cp_sweep else {}),
+                **({"links": {g: LINKS[g] for g in args.gpu}, "link_sources": LINK_SOURCES} if args.cp_sweep else {}),
                 **(
                     {"engine_versions": ENGINE_VERSIONS, "engine_constants": ENGINE_CONSTANTS}
                     if args.deterministic_sweep

@@ -161,10 +161,15 @@ def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel, 
 
 
 def lean_sim_schedule(
-    problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None, batch_invariant: bool = False
+    problem: Problem,
+    gpu: GPUModel,
+    programs_per_sm: int | None = None,
+    batch_invariant: bool = False,
+    max_contributors: int | None = None,
 ) -> Schedule:
     """The kernel's stream-K schedule and merge tree on ``gpu``, in modelled time (with
-    ``batch_invariant``, the same schedule and the invariant mode's merges: ``_invariant_merges``)."""
+    ``batch_invariant``, the same schedule and the invariant mode's merges: ``_invariant_merges``;
+    ``max_contributors``, a trial: the schedule's cap instead of the tuning entry's)."""
     variant = lean_variant(problem, gpu, batch_invariant)
     config, cx = variant.config, variant.constexprs
     per_sm = programs_per_sm or config.max_programs_per_sm
@@ -177,6 +182,7 @@ def lean_sim_schedule(
         tile,
         gpu.sms * per_sm,
         num_sms=gpu.sms,
+        max_contributors=max_contributors or config.max_contributors,
     )
     sms = gpu.sms
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lean_tp import cli
-from lean_tp.tools.gpus import GPUS, GPUS_PER_NODE, LINKS, GPUModel
+from lean_tp.tools.gpus import GPUS, GPUModel, link_of
 from lean_tp.tools.processes import map_in_processes
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_MODES, deterministic_schedules
 from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
@@ -136,7 +136,7 @@ def cp_merge_us(batch: int, n_heads: int, head_dim: int, tp: int, cp: int, gpu: 
     network otherwise (CP ranks are tp apart), then the merge kernel's launch gap."""
     if cp == 1:
         return 0.0
-    link = LINKS["nvlink" if tp * cp <= GPUS_PER_NODE else "network"][gpu.name == "H100"]
+    link = link_of(gpu, tp * cp)
     partial = batch * n_heads * (head_dim + 1) * 4
     return link.latency_us + (cp - 1) * partial / (link.gbps * 1e3) + gpu.launch_gap_us
 
