@@ -332,27 +332,39 @@ def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = T
 
 
 def arch_markdown(rows: list[KernelStats]) -> str:
-    """The other architectures' rows, each against its own per-block shared-memory limit."""
-    lines = [
-        "| arch | D | dtype / feature | layout | regs | spill B | loop spills | smem KB | smem limit KB | programs/SM "
-        "| K / V load B | K/V buffers | BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    """The other architectures' rows: the report's columns, each row against its own per-block
+    shared-memory limit."""
+    header = _COLUMNS.replace("| smem KB |", "| smem KB | smem limit KB |").replace("| dtype |", "| dtype / feature |")
+    lines = [header, "|---" * header.count(" | ") + "|---|"]
     for r in rows:
-        dtype = r.features.removeprefix("fp8_") if r.features else r.dtype
-        # The issue share and Little's law need the part's time model (tools.gpus.GPUS).
-        budget = (
-            "- | -"
-            if r.gpu is None
-            else f"{r.issue_share:.2f} | {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f}"
-        )
-        lines.append(
-            f"| {r.arch} | {_dims(r)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
-            f"| {r.shared_bytes / 1024:.1f} | {ARCHS[r.arch].smem_per_block // 1024} "
-            f"| {r.programs_per_sm} ({REPORT_PART[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.kv_buffers} "
-            f"| {r.block_n} | {r.sass_per_iter} | {budget} |"
-        )
+        lines.append(_row(r, r.features.removeprefix("fp8_") if r.features else r.dtype, limit=True))
     return "\n".join(lines) + "\n"
+
+
+_COLUMNS = (
+    "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V B per key "
+    "| K/V buffers | wait_group | BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little "
+    "| page ids read in own iteration | merge: partials/iter | merge: SASS/contributor |"
+)
+
+
+def _row(r: KernelStats, dtype: str, limit: bool = False) -> str:
+    """One kernel's cells in ``_COLUMNS`` (``limit``: with its architecture's per-block shared
+    memory after its own); the issue share and Little's law need its part's time model
+    (``tools.gpus.GPUS``), "-" without one."""
+    budget = (
+        "- | -"
+        if r.gpu is None
+        else f"{r.issue_share:.2f} | {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f}"
+    )
+    smem = f"{r.shared_bytes / 1024:.1f}" + (f" | {ARCHS[r.arch].smem_per_block // 1024}" if limit else "")
+    return (
+        f"| {r.arch} | {_dims(r)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} | {smem} "
+        f"| {r.programs_per_sm} ({REPORT_PART[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.bytes_per_key:.0f} "
+        f"| {r.kv_buffers} | {r.wait_group} | {r.block_n} | {r.sass_per_iter} | {budget} "
+        f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
+        f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
+    )
 
 
 def _dims(r: KernelStats) -> str:
@@ -368,22 +380,11 @@ def to_markdown(rows: list[KernelStats]) -> str:
         f"(`tuning.FP_FUSION`), GQA group {REPORT_GROUP} ({MLA_GROUP} for MLA's "
         "576/512 rows, V read from K's tile) (`python -m lean_tp.tools.kernel_report`).",
         "",
-        "| arch | D | dtype | layout | regs | spill B | loop spills | smem KB | programs/SM | K / V load B | K/V B per key | K/V buffers "
-        "| wait_group | BLOCK_N | SASS/iter | issue share | K/V KB buffered / Little | page ids read in own iteration "
-        "| merge: partials/iter | merge: SASS/contributor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        _COLUMNS,
+        "|---" * _COLUMNS.count(" | ") + "|---|",
     ]
     for r in (r for r in rows if not r.features):
-        lines.append(
-            f"| {r.arch} | {_dims(r)} | {r.dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
-            f"| {r.shared_bytes / 1024:.1f} "
-            f"| {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.bytes_per_key:.0f} "
-            f"| {r.kv_buffers} | {r.wait_group} "
-            f"| {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} "
-            f"| {r.kv_bytes_buffered / 1024:.0f} / {r.littles_law_bytes / 1024:.0f} "
-            f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
-            f"| {r.merge_wave} | {r.merge_sass_per_wave / max(r.merge_wave, 1):.0f} |"
-        )
+        lines.append(_row(r, r.dtype))
     lines += [
         "",
         "Serving features, paged16 (`FEATURES` in `lean_tp/tools/kernel_report/report.py`; fp8 variants read an fp8 cache "
