@@ -40,6 +40,7 @@ from peers import PEERS
 from lean_tp import cli
 from lean_tp.model import CONFIGS
 from lean_tp.ops.decode_attention.tuning import arch_of
+from lean_tp.tools.simulate.problems import MLA_DIMS
 
 L2_ROTATION_FACTOR = 4  # bytes touched between two replays of one input set >= 4 x L2: the L2 is cold
 MEMORY_FRACTION = 0.6  # rows whose input sets need more of the free GPU memory are skipped
@@ -64,9 +65,19 @@ class Shape:
     window: int | None = None  # sliding window, in keys
 
     @property
+    def mla(self) -> bool:
+        """MLA decode: one latent head of ``MLA_DIMS[0]`` dims, V its first ``MLA_DIMS[1]``."""
+        return self.d == MLA_DIMS[0]
+
+    @property
     def features(self) -> frozenset[str]:
         """What a peer must take to run this shape (``Peer.features``)."""
-        wanted = {"fp8": self.kv == "fp8", "window": bool(self.window), "paged": self.layout != "contiguous"}
+        wanted = {
+            "fp8": self.kv == "fp8",
+            "window": bool(self.window),
+            "paged": self.layout != "contiguous",
+            "mla": self.mla,
+        }
         return frozenset(name for name, on in wanted.items() if on)
 
 
@@ -81,7 +92,7 @@ def ragged_lens(batch: int, max_len: int, ratio: float) -> tuple[int, ...]:
 # Triton call takes a few tenths of a second.
 DRY_REPS = 3
 # Every sweep's name, as --sweeps takes it and the shapes' ``sweep`` field holds it.
-SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window", "layouts")
+SWEEPS = ("context", "heads", "batch", "ragged", "models", "gqa", "kv", "window", "layouts", "mla")
 
 
 def sweeps(quick: bool, dry: bool) -> list[Shape]:
@@ -92,6 +103,7 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
             Shape("kv", "fp8", (150,) * 2, 8, 2, 64, kv="fp8"),
             Shape("window", "32", (300,) * 2, 8, 2, 64, window=32),
             Shape("layouts", "paged16", (150,) * 2, 8, 2, 64, layout="paged16"),
+            Shape("mla", "TP 8", (150, 70), 16, 1, MLA_DIMS[0], layout="paged64"),
         ]
     pick = (lambda full, few: few) if quick else (lambda full, few: full)
     contexts = pick([1 << k for k in range(10, 20)], [1024, 8192, 32768, 131072])  # 1k-512k
@@ -119,6 +131,24 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         for b in pick([1, 8, 64], [1, 64])
         for n in pick([8192, 32768, 131072], [32768])
     ]
+    # DeepSeek-V3's MLA rank at TP 8 (16 heads) and under DP attention (128), 16-bit and fp8 latent
+    # pages of 64 rows (FlashMLA's page size), against FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
+    shapes += [
+        Shape(
+            "mla",
+            f"{heads} heads {'fp8' if kv == 'fp8' else '16-bit'} B={b} {n >> 10}k",
+            (n,) * b,
+            heads,
+            1,
+            MLA_DIMS[0],
+            layout="paged64",
+            kv=kv,
+        )  # fmt: skip
+        for heads in (16, 128)
+        for kv in ("same", "fp8")
+        for b in pick([1, 8, 32, 128], [1, 32])
+        for n in pick([4096, 32768], [4096, 32768])
+    ]
     return shapes
 
 
@@ -133,9 +163,11 @@ def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str
     s = dict(
         q=torch.randn(b, shape.hq, shape.d, device=device, dtype=dtype),
         k_cache=torch.randn(kv_shape, device=device, dtype=dtype).to(cache_dtype),
-        v_cache=torch.randn(kv_shape, device=device, dtype=dtype).to(cache_dtype),
         cache_seqlens=torch.tensor(shape.lens, dtype=torch.int32, device=device),
     )
+    # MLA: V is the latent rows' first 512 dims, read with K's.
+    v = s["k_cache"][..., : MLA_DIMS[1]] if shape.mla else torch.randn(kv_shape, device=device, dtype=dtype)
+    s["v_cache"] = v.to(cache_dtype)
     if shape.layout != "contiguous":
         s["block_table"] = torch.randperm(kv_shape[0], device=device, dtype=torch.int32).view(b, -1)
     if shape.kv == "fp8":
@@ -149,6 +181,8 @@ def moved_bytes(shape: Shape, dtype: torch.dtype) -> int:
     """Bytes a kernel must move: the K/V each query can see (a window's keys only), q and out."""
     keys = sum(min(n, shape.window or n) for n in shape.lens)
     kv_size = 1 if shape.kv == "fp8" else dtype.itemsize
+    if shape.mla:  # one latent row a key; out is V's width
+        return keys * shape.d * kv_size + len(shape.lens) * shape.hq * (shape.d + MLA_DIMS[1]) * dtype.itemsize
     return 2 * keys * shape.hkv * shape.d * kv_size + 2 * len(shape.lens) * shape.hq * shape.d * dtype.itemsize
 
 
@@ -246,8 +280,8 @@ def bench_shape(
         mean_len=sum(shape.lens) // len(shape.lens),
     )
     notes, times = [], {}
-    if shape.kv == "fp8" and dtype == torch.float32:
-        row["notes"] = "skipped: fp8 caches take a 16-bit q"
+    if (shape.kv == "fp8" or shape.mla) and dtype == torch.float32:
+        row["notes"] = f"skipped: {'MLA' if shape.mla else 'fp8 caches'} take a 16-bit q"
         return row
     sets = input_sets(shape, dtype, device, l2_bytes)
     if sets is None:

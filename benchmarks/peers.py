@@ -2,7 +2,8 @@
 
 Every peer takes the same input set: q (B, Hq, D), k_cache/v_cache (B, Hkv, S_max, D) and
 cache_seqlens (B,) int32; for a paged shape, k_cache/v_cache (num_pages, page_size, Hkv, D) and
-block_table (B, pages per sequence) int32, pages in random order. ``prepare(inputs)`` does
+block_table (B, pages per sequence) int32, pages in random order. An MLA shape (D = 576) has one
+latent head of 576 dims and v_cache its first 512 (a view), so out is (B, Hq, 512). ``prepare(inputs)`` does
 whatever the peer needs once per input set and outside the timed region (a layout copy, a block
 mask, FlashInfer's host-side ``plan``) and returns a zero-argument callable that computes out
 (B, Hq, D). A peer whose package is missing
@@ -33,7 +34,7 @@ class Peer:
     triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
     features: frozenset[str] = (
         frozenset()
-    )  # of "fp8", "window", "paged" (``Shape.features``): wired up here for this peer
+    )  # of "fp8", "window", "paged", "mla" (``Shape.features``): wired up here for this peer
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -167,15 +168,84 @@ def _flashinfer(s: Inputs):
     return lambda: wrapper.run(q, (k, v))
 
 
+MLA_RANK = 512  # kv_lora_rank: V's width, the latent row's first 512 dims
+
+
+def _flashmla(s: Inputs):
+    """FlashMLA's dense decode (deepseek-ai/FlashMLA, sm_90a): pages of 64 latent rows. Its
+    ``get_mla_metadata`` takes the old interface's (cache_seqlens, rows per KV head, KV heads) and
+    ignores them in the new one, whose scheduler runs inside the first call."""
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    q, lens = s["q"][:, None], s["cache_seqlens"]
+    meta, splits = get_mla_metadata(lens, q.shape[2], 1)
+    return lambda: flash_mla_with_kvcache(q, s["k_cache"], s["block_table"], lens, MLA_RANK, meta, splits)[0][:, 0]
+
+
+def _flashinfer_mla(s: Inputs):
+    """FlashInfer's MLA (``BatchMLAPagedAttentionWrapper``; its Hopper kernel on sm_90) over copies of
+    the latent pages as its two tensors, the 512 compressed and the 64 rope dims; ``plan`` untimed."""
+    import flashinfer
+
+    q, lens, table, cache = s["q"], s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
+    page = cache.shape[1]
+    used = (lens + page - 1) // page
+    indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()
+    indices = torch.cat([table[b, : int(n)] for b, n in enumerate(used.tolist())]).int()
+    q_indptr = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+    rope = cache.shape[-1] - MLA_RANK
+    wrapper.plan(q_indptr, indptr, indices, lens, q.shape[1], MLA_RANK, rope, page, False, q.shape[-1] ** -0.5,
+                 q.dtype, cache.dtype)  # fmt: skip
+    q_nope, q_pe = q[..., :MLA_RANK].contiguous(), q[..., MLA_RANK:].contiguous()
+    ckv, kpe = cache[..., :MLA_RANK].contiguous(), cache[..., MLA_RANK:].contiguous()
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
+def _vllm_triton_mla(s: Inputs):
+    """vLLM's Triton MLA decode (``decode_attention_fwd`` with ``is_mla``), with the split count
+    its backend picks (vllm/v1/attention/backends/mla/triton_mla.py: the longest sequence over 512
+    keys, to a power of two, at most 2 per SM) and its fp32 scratch allocated here, untimed."""
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+    q, lens, kv = s["q"], s["cache_seqlens"], s["k_cache"]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    splits = min(1 << (max(1, int(lens.max()) // 512) - 1).bit_length(), 2 * sms)
+    out = q.new_empty(q.shape[0], q.shape[1], MLA_RANK)
+    lse = q.new_empty(q.shape[0], q.shape[1])
+    logits = torch.empty(q.shape[0], q.shape[1], splits, MLA_RANK + 1, dtype=torch.float32, device=q.device)
+    v = kv[..., :MLA_RANK]
+
+    def run() -> torch.Tensor:
+        decode_attention_fwd(q, kv, v, out, lse, s["block_table"], lens, logits, splits, q.shape[-1] ** -0.5,
+                             kv.shape[1], is_mla=True)  # fmt: skip
+        return out
+
+    return run
+
+
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged"})),
+        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla"})),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
         Peer("varlen", _varlen, needs="torch.nn.attention.varlen", cuda_only=True),
         Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),
         Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True, features=frozenset({"paged"})),
+        Peer("flashmla", _flashmla, needs="flash_mla", cuda_only=True, features=frozenset({"paged", "mla"})),
+        Peer(
+            "flashinfer-mla", _flashinfer_mla, needs="flashinfer", cuda_only=True, features=frozenset({"paged", "mla"})
+        ),
+        Peer(
+            "vllm-triton-mla",
+            _vllm_triton_mla,
+            needs="vllm",
+            cuda_only=True,  # vLLM's CPU build disables Triton
+            triton=True,
+            features=frozenset({"paged", "mla", "fp8"}),
+        ),
     )
 }

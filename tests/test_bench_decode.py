@@ -52,6 +52,22 @@ def test_dry_run_times_every_available_peer(dry_run):
     assert "lean's speedup (peer time / lean time):" in stdout and "x vs flash-decoding" in stdout
 
 
+def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
+    """The MLA sweep's plumbing (fp16: the MLA kernel takes a 16-bit q): lean decodes a latent cache
+    of 64-row pages with V its first 512 dims; the standard-attention peers do not take MLA, and the
+    MLA peers are skipped, each with why (all three need CUDA; vLLM disables Triton off the GPU)."""
+    argv = [str(BENCH / "bench_decode.py"), "--dry", "--out", str(tmp_path), "--sweeps", "mla", "--dtypes", "fp16"]
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
+    assert (row["sweep"], row["x"], row["d"]) == ("mla", "TP 8", "576")
+    assert float(row["lean_us"]) > 0 and float(row["lean_pct_copy"]) > 0
+    for peer in ("flash-decoding", "sdpa", "flex"):
+        assert f"{peer}: not benchmarked with mla" in row["notes"]
+    for peer in ("flashmla", "flashinfer-mla", "vllm-triton-mla"):
+        assert f"{peer}: not installed" in row["notes"] or f"{peer}: needs CUDA" in row["notes"]
+
+
 def test_dry_run_records_results_and_plots(dry_run):
     out, _ = dry_run
     record = results.validate(json.load(open(out / "results.json")))

@@ -12,6 +12,7 @@ from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUT
 from lean_tp.tools.simulate import (
     GPUS,
     LINKS,
+    MLA_PEERS,
     MODEL_PRESETS,
     Problem,
     cp_layouts,
@@ -22,6 +23,7 @@ from lean_tp.tools.simulate import (
     deterministic_table_rows,
     fa2_num_splits,
     fa2_splits,
+    flashinfer_mla_schedule,
     flashmla_schedule,
     flex_splits,
     link_of,
@@ -29,6 +31,7 @@ from lean_tp.tools.simulate import (
     mla_sweep_problems,
     rank_heads,
     sglang_flashinfer_schedule,
+    sglang_mla_splits,
     sglang_triton_schedule,
     sglang_triton_splits,
     table_rows,
@@ -40,6 +43,7 @@ from lean_tp.tools.simulate import (
     vllm_invariant_schedule,
 )
 from lean_tp.tools.simulate import simulate as _simulate
+from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share, residency_us
 from lean_tp.tools.simulate.schedules import lean_sim_schedule, lean_variant, schedule_lens
 
 H100 = GPUS["H100"]
@@ -296,8 +300,14 @@ def test_mla_problem_reads_each_latent_row_once():
     assert "D=576/512 fp8" in _mla([10], elem_size=1).describe()
     with pytest.raises(ValueError, match=r"v_cache: expected \(K, V\) head dims"):
         Problem((10,), 16, 1, 576, head_dim_v=448)
-    tps = {(tp, p.n_heads, p.elem_size) for tp, _, _, p in mla_sweep_problems()}
-    assert tps == {(8, 16, 2), (8, 16, 1), (1, 128, 2), (1, 128, 1)}
+    ranks = {(model, parallel, p.n_heads) for model, parallel, _, _, p in mla_sweep_problems()}
+    assert ranks == {
+        ("deepseek-v3", "TP 8", 16),
+        ("deepseek-v3", "DP", 128),
+        ("kimi-k2", "TP 8", 8),
+        ("kimi-k2", "DP", 64),
+    }
+    assert {(p.elem_size, p.num_tokens) for *_, p in mla_sweep_problems()} == {(2, 1), (2, 2), (1, 1), (1, 2)}
 
 
 def test_flashmla_schedule_follows_its_scheduler():
@@ -307,7 +317,8 @@ def test_flashmla_schedule_follows_its_scheduler():
     one = flashmla_schedule(_mla([131072]), H100)
     # 2048 + 5 blocks over 132 parts: 16 + 5 a part, 16 of the request each (the last part gets the rest).
     assert one.units == 128 and one.splits == 128 and sum(one.sm_work) == 131072
-    assert one.merge_us >= H100.launch_gap_us
+    # Its combine: a warp a head loads every split's lse, then one split at a time.
+    assert one.merge_us >= (1 + 128) * H100.l2_latency_us
     wide = flashmla_schedule(_mla([4096] * 8, heads=128), H100)
     assert sum(wide.sm_work) == 2 * 8 * 4096  # two 64-row blocks each read the latent rows
     many = flashmla_schedule(_mla([64] * 400), H100)
@@ -332,7 +343,7 @@ def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
     each latent row once per 16-row block; the sweep's CLI wiring with the rows stubbed."""
     problem = _mla([3000, 70])
     result = simulate(problem)
-    assert set(result) == {"lean", "lean_invariant", "flashmla", "triton_mla"}
+    assert set(result) == {"lean", "lean_invariant", *MLA_PEERS}
     assert sum(result["lean"].sm_work) == sum(problem.lens)
     import lean_tp.tools.simulate.cli as sim_cli
 
@@ -344,7 +355,62 @@ def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
     png = tmp_path / "mla.png"
     assert main(["--mla-sweep", "--gpu", "H100", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "| H100 | 1 (128) | fp8 | 128 | 131072 |" in out and png.stat().st_size > 10_000
+    assert "| H100 | deepseek-v3 | DP (128) | fp8 | 2 | 128 | 131072 |" in out and png.stat().st_size > 10_000
+
+
+def test_l2_serves_a_chunk_read_again_while_it_is_resident():
+    """A chunk's bytes come from HBM until its reads add up to it (disjoint pieces read once each);
+    a read past that within the residency window (half the L2 at the copy bandwidth: 8.3 us on an
+    H100) is an L2 hit, one after a longer gap a miss again."""
+    window = residency_us(H100)
+    assert window == pytest.approx(0.5 * 50e6 / 3.0e6)
+    chunk = (0, 0, 0)
+    reads = [Read(0.0, chunk, 100, 100), Read(0.5 * window, chunk, 100, 100), Read(2.6 * window, chunk, 100, 100)]
+    assert hbm_share(reads, H100) == pytest.approx(2 / 3)
+    halves = [Read(0.0, chunk, 50, 100), Read(0.1, chunk, 50, 100)]  # two splits, one chunk: no re-read
+    assert hbm_share(halves, H100) == 1.0
+    assert hbm_share([*halves, Read(0.2, chunk, 100, 100)], H100) == pytest.approx(0.5)
+    # keys [100, 900) of a 1000-key sequence: chunks of 32 keys, stamped at their middles
+    reads = chunk_reads(3, 0, 1000, 100, 900, 2, lambda keys: keys)
+    assert sum(r.nbytes for r in reads) == 1600 and reads[0].chunk == (3, 0, 3) and reads[0].time_us == 14.0
+    assert (
+        reads[0].nbytes == 56
+        and reads[0].chunk_bytes == 64
+        and chunk_reads(0, 0, 1000, 992, 1000, 2, abs)[0].chunk_bytes == 16
+    )
+
+
+def test_row_blocks_reading_keys_together_stream_from_hbm_once():
+    """FlashMLA at 128 heads runs two 64-row CTAs over each part's keys at the same time: the second
+    read is an L2 hit, so the pair streams at the copy bandwidth, not half of it; standard decode
+    (one reader a key) is charged as before."""
+    wide = flashmla_schedule(_mla([32768] * 8, heads=128), H100)
+    kernel = wide.time_us - wide.merge_us
+    assert kernel == pytest.approx(2 * 8 * 32768 * 1152 / 3.0e6 / 2, rel=0.15)
+    reads_once = simulate(Problem((65536,), 8, 1))["fa2"]
+    assert reads_once.time_us - reads_once.merge_us >= 65536 * 512 / 3.0e6
+
+
+def test_flashinfer_mla_plan_clusters_and_merges_in_kernel():
+    """FlashInfer's Hopper MLA: CTA pairs at 128 heads (a cluster per 2 SMs) reading the same chunks,
+    chunks of kv_len_limit keys (32k keys over 66 clusters: 512), the split rows merged after a grid
+    barrier with no second launch; 16 heads: one CTA a cluster."""
+    wide = flashinfer_mla_schedule(_mla([32768], heads=128), H100)
+    assert wide.units == 2 * 64 and wide.splits == 64 and sum(wide.sm_work) == 2 * 32768
+    assert 2 * H100.l2_latency_us < wide.merge_us < H100.launch_gap_us + 64 * H100.l2_latency_us
+    narrow = flashinfer_mla_schedule(_mla([4096]), H100)
+    assert narrow.units == 32 and sum(narrow.sm_work) == 4096  # 128-key chunks, one CTA each
+    assert flashinfer_mla_schedule(_mla([32] * 4), H100).merge_us == 0.0  # 32-key chunks: nothing split
+
+
+def test_sglang_mla_splits_follow_its_two_rules():
+    """SGLang's Triton MLA: splits capped at next_pow2(SMs) (256 on an H100); a lone long request
+    gets SMs x log2(len / 64) / 8 head blocks' worth; in a ragged batch each request gets the
+    larger of its share of the longest one's chunks by the two rules."""
+    assert sglang_mla_splits(_mla([131072], heads=128), H100) == [math.ceil(int(132 * 11) / 8)]
+    assert sglang_mla_splits(_mla([131072]), H100) == [256]  # 16 heads: one head block, the cap
+    long_short = sglang_mla_splits(_mla([32768, 1024]), H100)
+    assert long_short == [256, 8]  # chunks of 128 keys: 132 x log2(512) over 2 head blocks, capped
 
 
 def test_vllm_invariant_reads_each_sequence_once_with_no_combine():

@@ -21,6 +21,8 @@ class GPUModel:
     l2_latency_cycles: int  # L2 hit and atomic round trip
     l2_bytes_per_clk_per_sm: int  # what one SM can pull from L2
     launch_gap_us: float  # a dependent second kernel's start after the first ends (CUDA graph)
+    l2_mb: float  # L2 capacity, MB
+    l2_read_tbps: float  # what all SMs together read from L2 (hits), TB/s
     combine_ctas_per_sm: int = 4  # resident CTAs of a combine kernel
 
     @property
@@ -35,10 +37,10 @@ class GPUModel:
 GPUS = {
     g.name: g
     for g in (
-        GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0),
-        GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0),
-        GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0),
-        GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0),
+        GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0, 40.0, 5.4),
+        GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0, 50.0, 6.9),
+        GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0, 126.5, 8.7),
+        GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0, 96.0, 10.7),
     )
 }
 # The GPUs a sweep models unless --gpu names others: the ones its published tables were made on.
@@ -64,6 +66,10 @@ MODEL_SOURCES = {
     "l2_bytes_per_clk_per_sm": "A100 whitepaper: 5120 B/clk L2 read bandwidth over 108 SMs = 47; H100, B200 and "
     "L40S assumed 64 (unmeasured)",
     "launch_gap_us": "assumed 1 us between dependent kernels inside a CUDA graph (unmeasured here)",
+    "l2_mb": "A100 and H100 whitepapers: 40 and 50 MB; B200: 126.5 MB (the driver's figure, pytorch/ao #4002); "
+    "L40S datasheet: 96 MB",
+    "l2_read_tbps": "L2 read bandwidth measured with te42kyfo/gpu-benches (gpu-l2-cache): A100-80GB ~5.4 TB/s, "
+    "H100 PCIe ~6.9 TB/s; B200 and L40S assumed: H100's bytes per SM per clock (29.8) x SMs x clock, unmeasured",
 }
 
 

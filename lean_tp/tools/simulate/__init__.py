@@ -10,7 +10,10 @@ combine kernels, in modelled time on an A100, H100, B200 or L40S (A100 and H100 
     python -m lean_tp.tools.simulate --heads 32 --kv-heads 32 --lens 30000,2000,500,8000 --plot gantt.png
 
     problems.py   what is modelled: one step's problem, presets, sweeps
-    schedules.py  each method's schedule in modelled time (lean runs the kernel's own schedule code)
+    schedules.py  lean's schedule in modelled time (the kernel's own schedule code), FA2's and Flex's
+    mla.py        MLA decode's peers, each constant with its source
+    methods.py    which methods a problem runs with (simulate)
+    l2.py         which re-read rows the L2 serves
     deterministic.py  vLLM's and SGLang's deterministic decode modes, each constant with its source
     tables.py     rows and tables; plots.py: charts; cli.py: the command line
     ../gpus.py    the GPU and link constants, each with its source
@@ -27,6 +30,17 @@ from lean_tp.tools.simulate.deterministic import (
     sglang_triton_splits,
     vllm_invariant_schedule,
 )
+from lean_tp.tools.simulate.methods import simulate
+from lean_tp.tools.simulate.mla import (
+    MLA_PEER_CONSTANTS,
+    MLA_PEERS,
+    flashinfer_mla_schedule,
+    flashmla_schedule,
+    sglang_mla_schedule,
+    sglang_mla_splits,
+    triton_mla_schedule,
+    triton_mla_splits,
+)
 from lean_tp.tools.simulate.problems import (
     MODEL_PRESETS,
     Problem,
@@ -41,11 +55,7 @@ from lean_tp.tools.simulate.schedules import (
     Schedule,
     fa2_num_splits,
     fa2_splits,
-    flashmla_schedule,
     flex_splits,
-    simulate,
-    triton_mla_schedule,
-    triton_mla_splits,
 )
 from lean_tp.tools.simulate.tables import (
     cp_merge_us,
@@ -62,6 +72,8 @@ __all__ = [
     "GPUModel",
     "GPUS",
     "LINKS",
+    "MLA_PEERS",
+    "MLA_PEER_CONSTANTS",
     "MODEL_PRESETS",
     "Problem",
     "Schedule",
@@ -74,6 +86,7 @@ __all__ = [
     "deterministic_table_rows",
     "fa2_num_splits",
     "fa2_splits",
+    "flashinfer_mla_schedule",
     "flashmla_schedule",
     "flex_splits",
     "link_of",
@@ -81,6 +94,8 @@ __all__ = [
     "mla_sweep_problems",
     "rank_heads",
     "sglang_flashinfer_schedule",
+    "sglang_mla_schedule",
+    "sglang_mla_splits",
     "sglang_triton_schedule",
     "sglang_triton_splits",
     "simulate",

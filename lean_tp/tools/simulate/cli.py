@@ -18,6 +18,7 @@ from lean_tp.ops.decode_attention.schedule import lean_schedule_kernel
 from lean_tp.ops.utils import interpreted
 from lean_tp.tools.gpus import DEFAULT_GPUS, GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_VERSIONS
+from lean_tp.tools.simulate.methods import simulate
 from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_deterministic_sweep, plot_gantt, plot_mla_sweep, plot_sweep
 from lean_tp.tools.simulate.problems import (
     MAX_BATCH,
@@ -33,7 +34,6 @@ from lean_tp.tools.simulate.problems import (
     tp_sweep_problems,
     verification_sweep_cases,
 )
-from lean_tp.tools.simulate.schedules import simulate
 from lean_tp.tools.simulate.tables import (
     cp_row,
     deterministic_table_rows,
@@ -181,10 +181,10 @@ def _sweep_rows(args) -> list[dict]:
         ]
     elif args.mla_sweep:
         cases = mla_sweep_problems()
-        rows = table_rows_parallel([c[3] for c in cases], args.gpu, args.programs_per_sm)
+        rows = table_rows_parallel([c[4] for c in cases], args.gpu, args.programs_per_sm)
         rows = [
-            {"tp": c[0], "heads": c[3].n_heads, "cache": "fp8" if c[3].elem_size == 1 else "bf16", "batch": c[1],
-             "context": c[2], **r}
+            {"model": c[0], "parallel": c[1], "heads": c[4].n_heads, "cache": "fp8" if c[4].elem_size == 1 else "bf16",
+             "tq": c[4].num_tokens, "batch": c[2], "context": c[3], **r}
             for c, r in zip((c for c in cases for _ in args.gpu), rows)
         ]  # fmt: skip
     elif args.paper:

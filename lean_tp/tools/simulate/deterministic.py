@@ -20,12 +20,11 @@ reduce that folds many partials in one CTA is also bounded by that CTA's chain o
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _merge_level_us, lean_sim_schedule
+from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _serial_reduce, lean_sim_schedule
 
 # The engine versions read: vLLM 0.33.0, SGLang 0.5.23 (which pins FlashInfer 0.7.2).
 ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23", "flashinfer": "0.7.2"}
@@ -130,19 +129,6 @@ def sglang_triton_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int
     sched = _cta_schedule("sglang_triton", problem, gpu, ctas, most, partials, programs_per_sm)
     partial_bytes = ((problem.head_dim_v or problem.head_dim) + 1) * 4
     return _serial_reduce(sched, most, SGLANG_TRITON_REDUCE_IN_FLIGHT, partial_bytes, gpu)
-
-
-def _serial_reduce(sched: Schedule, splits: int, in_flight: int, partial_bytes: int, gpu: GPUModel) -> Schedule:
-    """A reduce kernel's CTA folds one output's ``splits`` partials in order, ``in_flight`` loads at
-    a time: its launch gap and that chain of L2 round trips and bytes through one SM's port. The
-    combine kernel costs the larger of this and ``_cta_schedule``'s bound (the partials over every
-    SM's port), so only a reduce that runs (``merge_us`` > 0) is charged."""
-    if not sched.merge_us:
-        return sched
-    chain = gpu.launch_gap_us + _merge_level_us(splits, in_flight, partial_bytes, gpu)
-    if chain <= sched.merge_us:
-        return sched
-    return dataclasses.replace(sched, time_us=sched.time_us - sched.merge_us + chain, merge_us=chain)
 
 
 def deterministic_schedules(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:

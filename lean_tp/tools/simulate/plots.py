@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from lean_tp.tools.gpus import GPUModel
+from lean_tp.tools.simulate.mla import MLA_PEERS
 from lean_tp.tools.simulate.problems import Problem
 from lean_tp.tools.simulate.schedules import Schedule
 
@@ -143,47 +144,48 @@ def plot_cp_sweep(rows: list[dict], path: str, model: str = "llama-3-70b") -> No
 
 
 def plot_mla_sweep(rows: list[dict], path: str) -> None:
-    """Modelled peer time over lean time against context for the MLA sweep: one panel per (GPU, TP,
-    cache dtype), one colour per batch size, FlashMLA solid and vLLM's Triton MLA dashed."""
+    """The fastest MLA peer's modelled time over lean's against context, Tq = 1: one panel per (GPU,
+    served rank), one colour per batch size, bf16 solid and fp8 dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["gpu"], r["tp"], r["cache"]) for r in rows})
+    panels = sorted({(r["gpu"], r["model"], r["parallel"], r["heads"]) for r in rows})
     batches = sorted({r["batch"] for r in rows})
     cols = 4
     fig, axes = plt.subplots(
         math.ceil(len(panels) / cols), cols, figsize=(3.6 * cols, 3.2 * math.ceil(len(panels) / cols)),
         sharex=True, sharey=True, squeeze=False,
     )  # fmt: skip
-    for ax, (gpu, tp, cache) in zip(axes.flat, panels):
+    for ax, (gpu, model, parallel, heads) in zip(axes.flat, panels):
         for k, batch in enumerate(batches):
-            mine = sorted(
-                (r for r in rows if (r["gpu"], r["tp"], r["cache"], r["batch"]) == (gpu, tp, cache, batch)),
-                key=lambda r: r["context"],
-            )
-            for peer, style in (("flashmla", "-"), ("triton_mla", "--")):
+            for cache, style in (("bf16", "-"), ("fp8", "--")):
+                mine = sorted(
+                    (r for r in rows if (r["gpu"], r["model"], r["parallel"], r["batch"], r["cache"], r["tq"])
+                     == (gpu, model, parallel, batch, cache, 1)),
+                    key=lambda r: r["context"],
+                )  # fmt: skip
                 ax.plot(
                     [r["context"] for r in mine],
-                    [r[f"speedup_vs_{peer}"] for r in mine],
+                    [min(r[f"speedup_vs_{peer}"] for peer in MLA_PEERS) for r in mine],
                     style,
                     color=f"C{k}",
                     marker="os^Dv"[k % 5],
                     markersize=3,
-                    label=f"B={batch}" if peer == "flashmla" else None,
+                    label=f"B={batch}" if cache == "bf16" else None,
                 )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set_title(f"{gpu}, DeepSeek-V3 TP {tp}, {cache}", fontsize=9)
+        ax.set_title(f"{gpu}, {model} {parallel} ({heads} heads)", fontsize=9)
         ax.set_xlabel("context (tokens)")
     for ax in axes[:, 0]:
-        ax.set_ylabel("peer time / lean time")
+        ax.set_ylabel("fastest peer's time / lean's")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center right", fontsize=8, title="batch")
-    fig.suptitle("MLA decode, modelled: above 1 lean is faster (solid: FlashMLA, dashed: vLLM Triton MLA)")
+    fig.suptitle("MLA decode, modelled, Tq = 1: above 1 lean beats every peer (solid: bf16, dashed: fp8)")
     fig.tight_layout(rect=(0, 0, 0.92, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -197,23 +197,28 @@ def cp_sweep_cases() -> list[tuple[str, int, int, int, int, int, Problem]]:
     return cases
 
 
-# DeepSeek-V3 (and R1, Kimi-K2's layout): 128 query heads over one latent KV head of 576 dims, V its
-# first 512 (the model's Hugging Face config: num_attention_heads 128, kv_lora_rank 512,
-# qk_rope_head_dim 64).
+# DeepSeek-V3 (and R1; Kimi-K2 has the same layout with 64 heads): 128 query heads over one latent
+# KV head of 576 dims, V its first 512 (the models' Hugging Face configs: num_attention_heads 128
+# and 64, kv_lora_rank 512, qk_rope_head_dim 64).
 MLA_HEADS, MLA_DIMS = 128, (576, 512)
-MLA_TPS = (8, 1)  # 16 and 128 query heads per rank
+# The ranks served: (model, parallelism, query heads a rank). TP 8 splits the heads; DP attention
+# (DeepSeek's own "MLA DP", SGLang's --enable-dp-attention, vLLM's data-parallel attention) gives
+# every rank all of them.
+MLA_RANKS = (("deepseek-v3", "TP 8", 16), ("deepseek-v3", "DP", 128), ("kimi-k2", "TP 8", 8), ("kimi-k2", "DP", 64))
+MLA_TOKENS = (1, 2)  # decode, and one MTP draft verified
 MLA_BATCHES = (1, 8, 32, 128)
 MLA_CONTEXTS = (4096, 32768, 131072)
 
 
-def mla_sweep_problems() -> list[tuple[int, int, int, Problem]]:
-    """(tp, batch, context, one rank's problem) of DeepSeek-V3's MLA decode: TP 8 and 1, 16-bit and
-    fp8 latent caches."""
+def mla_sweep_problems() -> list[tuple[str, str, int, int, Problem]]:
+    """(model, parallelism, batch, context, one rank's problem) of MLA decode: every served rank of
+    ``MLA_RANKS``, 16-bit and fp8 latent caches, Tq 1 and 2, ``MLA_BATCHES`` x ``MLA_CONTEXTS``."""
     dqk, dv = MLA_DIMS
     return [
-        (tp, b, n, Problem((n,) * b, MLA_HEADS // tp, 1, dqk, elem_size=elem, head_dim_v=dv))
-        for tp in MLA_TPS
+        (model, parallel, b, n, Problem((n,) * b, heads, 1, dqk, elem_size=elem, head_dim_v=dv, num_tokens=tq))
+        for model, parallel, heads in MLA_RANKS
         for elem in (2, 1)
+        for tq in MLA_TOKENS
         for b in MLA_BATCHES
         for n in MLA_CONTEXTS
     ]

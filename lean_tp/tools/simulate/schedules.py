@@ -7,18 +7,20 @@
   dispatch), and a split output costs a combine kernel.
 - **flex**: FlexAttention's decode rule, ``max(SMs // (B * Hkv) * 2, 1)`` splits of the capacity,
   then its combine kernel.
-- MLA problems (``Problem.latent``) against **flashmla** (FlashMLA's split scheduler) and
-  **triton_mla** (vLLM's Triton MLA splits), constants with their sources beside each.
+- MLA problems (``Problem.latent``) run against MLA's own kernels (``mla.py``).
 
 Time model (``tools.gpus.GPUS`` holds every constant with its source): an SM streams K/V at
 ``min(L2 port, bytes in flight / HBM latency)``, all SMs together at most the measured copy
-bandwidth; a merge costs L2 round trips (one per atomic, one per wave of partial loads) plus its
-partial bytes over the merging SM's L2 port; a second kernel costs a launch gap. Every method
-gets the same memory model, so the comparison isolates schedules and merges.
+bandwidth over the share of bytes that come from HBM (a row re-read while it is still in L2 is
+a hit: ``l2.py``), and at most the L2's read bandwidth; a merge costs L2 round trips (one per
+atomic, one per wave of partial loads) plus its partial bytes over the merging SM's L2 port; a
+second kernel costs a launch gap. Every method gets the same memory model, so the comparison
+isolates schedules and merges.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
 from lean_tp.tools.gpus import GPUModel
+from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share
 from lean_tp.tools.simulate.problems import Problem
 
 METHODS = ("lean", "fa2", "flex")
@@ -121,14 +124,19 @@ def schedule_lens(problem: Problem, variant: KernelVariant) -> list[int]:
     return token_lengths(torch.tensor(problem.lens, dtype=torch.int32), variant.seq_tokens).tolist()
 
 
-def _stream_rates(n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int) -> list[float]:
+def _stream_rates(
+    n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int, from_hbm: float = 1.0
+) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
-    most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing the
-    copy bandwidth in proportion. Every method gets this model."""
+    most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing in
+    proportion what the device streams: the copy bandwidth over the share ``from_hbm`` of bytes
+    that come from HBM (``l2.hbm_share``), at most the L2's read bandwidth. Every method gets
+    this model."""
     config = lean_variant(problem, gpu).config
     in_flight = max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
-    share = min(1.0, gpu.hbm_tbps * 1e6 / max(sum(want), 1e-9))
+    device = min(gpu.l2_read_tbps, gpu.hbm_tbps / from_hbm) * 1e6
+    share = min(1.0, device / max(sum(want), 1e-9))
     return [w * share for w in want]
 
 
@@ -186,16 +194,24 @@ def lean_sim_schedule(
     )
     sms = gpu.sms
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
-    rates = _stream_rates(n_on_sm, problem, gpu, per_sm)
     bytes_per_token = problem.bytes_per_token
     work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
     seg_bytes = [
         [(min(lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token for s in segments]
         for segments in programs
     ]
-    clocks = [
-        _shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0) for sm in range(sms)
-    ]
+
+    def clocks_at(from_hbm: float) -> list:
+        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm)
+        return [
+            _shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0)
+            for sm in range(sms)
+        ]
+
+    clocks = clocks_at(1.0)
+    from_hbm = hbm_share(_lean_reads(problem, variant, programs, seg_bytes, clocks, sms), gpu)
+    if from_hbm < 1.0:  # rows re-read while in L2: the device streams them faster
+        clocks = clocks_at(from_hbm)
     for p, segments in enumerate(programs):
         sm, done = p % sms, 0
         for s, nbytes in zip(segments, seg_bytes[p]):
@@ -226,6 +242,22 @@ def lean_sim_schedule(
         merge_bytes=chain * partial,
         bars=bars,
     )
+
+
+def _lean_reads(problem: Problem, variant: KernelVariant, programs, seg_bytes, clocks, sms: int) -> list[Read]:
+    """Every program's K/V reads, chunk by chunk (``l2.chunk_reads``), stamped with the time its SM's
+    clock reaches them. A schedule sequence is a request's, or one of its query tokens' (its keys a
+    prefix of the request's) where the variant schedules tokens apart (``KernelVariant.seq_tokens``)."""
+    tile, units, bpt = variant.config.tile_n, variant.constexprs["NUM_GC"], problem.bytes_per_token
+    reads = []
+    for p, segments in enumerate(programs):
+        done, clock = 0, clocks[p % sms]
+        for s, nbytes in zip(segments, seg_bytes[p]):
+            request, k0 = s.b // variant.seq_tokens, s.first_tile * tile
+            at = lambda keys, done=done: clock(done + keys * bpt)  # noqa: E731
+            reads += chunk_reads(request, s.head_unit // units, problem.lens[request], k0, k0 + nbytes // bpt, bpt, at)
+            done += nbytes
+    return reads
 
 
 def _tree_merges(plan: dict, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel) -> tuple[float, int]:
@@ -327,18 +359,20 @@ def _cta_schedule(
     method: str,
     problem: Problem,
     gpu: GPUModel,
-    ctas: list[tuple[int, int]],
+    ctas: list[tuple],
     splits: int,
     partials: int,
     programs_per_sm: int | None = None,
 ) -> Schedule:
-    """CTAs, each (tokens, output) in launch order, dispatched to the least-loaded SM (an empty one
-    exits at once); then, with ``partials`` (partials of V's width, of every sequence) above 0, a
-    combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port."""
+    """CTAs, each (tokens, output) in launch order, or (tokens, output, pieces) where several CTAs
+    read the same keys, pieces being the (request, KV head, first key, keys) ranges it reads in
+    order (``l2.hbm_share`` then credits re-reads), dispatched to the least-loaded SM (an empty one exits at once); then, with ``partials`` (partials of V's
+    width, of every sequence) above 0, a combine kernel: a launch gap, two dependent L2 reads, the
+    partials over every SM's port."""
     sms = gpu.sms
     load = [(0, sm) for sm in range(sms)]
-    work, bars, on_sm = [0] * sms, [], [0] * sms
-    for tokens, output in ctas:
+    work, bars, on_sm, placed = [0] * sms, [], [0] * sms, []
+    for tokens, output, *where in ctas:
         if tokens == 0:
             continue
         start, sm = heapq.heappop(load)
@@ -346,9 +380,22 @@ def _cta_schedule(
         work[sm] += tokens
         on_sm[sm] += 1
         bars.append((sm, start, tokens, output))
+        for request, kv_head, k0, keys in where[0] if where else ():
+            placed.append((sm, start, request, kv_head, k0, keys))
+            start += keys
     per_sm = programs_per_sm or lean_variant(problem, gpu).config.max_programs_per_sm
     rates = _stream_rates(on_sm, problem, gpu, per_sm)
     bytes_per_token = problem.bytes_per_token
+    if placed:
+        reads = [
+            read
+            for sm, start, request, kv_head, k0, keys in placed
+            for read in chunk_reads(
+                request, kv_head, problem.lens[request], k0, k0 + keys, bytes_per_token,
+                lambda keys, sm=sm, start=start: (start + keys) * bytes_per_token / (rates[sm] or 1.0),
+            )
+        ]  # fmt: skip
+        rates = _stream_rates(on_sm, problem, gpu, per_sm, hbm_share(reads, gpu))
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
     if partials and any(work):  # no CTA wrote a partial: nothing to combine
@@ -366,95 +413,18 @@ def _cta_schedule(
     )
 
 
-# FlashMLA's decode scheduler (deepseek-ai/FlashMLA, csrc/api/dense_decode.h and
-# csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu): 64 query rows and 64 keys
-# a block, 5 blocks of fixed overhead for each request or piece of one a part takes.
-FLASHMLA_BLOCK_M, FLASHMLA_BLOCK_N, FLASHMLA_OVERHEAD = 64, 64, 5
-
-
-def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
-    """FlashMLA's split-KV plan: ``num_sm_parts = SMs / Hkv / ceil(rows / 64)`` parts, each given
-    ``ceil(total / parts) + 5`` blocks of the requests in order (a request's blocks plus 5 each),
-    cutting a request where a part's budget ends; a CTA per (64-row block, KV head, part), so each
-    row block reads the latent rows; a split request is combined by a second kernel."""
-    rows = problem.n_heads // problem.n_kv_heads
-    m_blocks = math.ceil(rows / FLASHMLA_BLOCK_M)
-    parts = max(gpu.sms // problem.n_kv_heads // m_blocks, 1)
-    blocks = [max(1, math.ceil(n / FLASHMLA_BLOCK_N)) for n in problem.lens]
-    payload = math.ceil(sum(b + FLASHMLA_OVERHEAD for b in blocks) / parts) + FLASHMLA_OVERHEAD
-    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]  # per part: (request, first, end block)
-    part, budget, req, first = 0, payload, 0, 0
-    while req < len(blocks) and part < parts:
-        left = blocks[req] - first
-        if budget >= left + FLASHMLA_OVERHEAD:
-            pieces[part].append((req, first, blocks[req]))
-            budget -= left + FLASHMLA_OVERHEAD
-            req, first = req + 1, 0
-            continue
-        if budget - FLASHMLA_OVERHEAD > 0:
-            pieces[part].append((req, first, first + budget - FLASHMLA_OVERHEAD))
-            first += budget - FLASHMLA_OVERHEAD
-        part, budget = part + 1, payload
-    split = [0] * len(blocks)
-    for own in pieces:
-        for r, _, _ in own:
-            split[r] += 1
-    tokens = lambda r, b0, b1: max(0, min(problem.lens[r], b1 * FLASHMLA_BLOCK_N) - b0 * FLASHMLA_BLOCK_N)  # noqa: E731
-    ctas = [
-        (sum(tokens(r, b0, b1) for r, b0, b1 in pieces[p]), h)
-        for p in range(parts)
-        for h in range(problem.n_kv_heads)
-        for _ in range(m_blocks)
-    ]
-    partials = sum(n for n in split if n > 1) * rows * problem.n_kv_heads  # the combine reads split requests' only
-    return _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), partials, programs_per_sm)
-
-
-# vLLM's Triton MLA decode (vllm/v1/attention/backends/mla/triton_mla.py and
-# vllm/v1/attention/ops/triton_decode_attention.py, vLLM 0.33): 16 query heads a CTA; the batch's
-# longest length over 512 tokens a split, rounded up to a power of two, at most 2 per SM; one split
-# in vLLM's batch-invariant mode.
-TRITON_MLA_BLOCK_H, TRITON_MLA_MIN_SPLIT, TRITON_MLA_SPLITS_PER_SM = 16, 512, 2
-
-
-def triton_mla_splits(problem: Problem, gpu: GPUModel) -> int:
-    """vLLM's Triton MLA split count: one for the whole batch, from its longest sequence."""
-    ideal = 1 << (max(1, max(problem.lens) // TRITON_MLA_MIN_SPLIT) - 1).bit_length()
-    return min(ideal, gpu.sms * TRITON_MLA_SPLITS_PER_SM)
-
-
-def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
-    """vLLM's Triton MLA plan: CTAs (b, 16-head block, split), split s of sequence b reading its
-    keys ``[s, s + 1) x ceil(len_b / splits)``, so each head block reads the latent rows; the
-    reduce kernel always follows (it runs with one split too)."""
-    splits = triton_mla_splits(problem, gpu)
-    group = problem.n_heads // problem.n_kv_heads
-    head_blocks = math.ceil(problem.n_heads / min(TRITON_MLA_BLOCK_H, group))
-    ctas = [
-        (max(0, min(n, (s + 1) * per) - s * per), b)
-        for s in range(splits)
-        for _ in range(head_blocks)
-        for b, n in enumerate(problem.lens)
-        for per in (math.ceil(n / splits),)
-    ]
-    partials = len(problem.lens) * splits * problem.n_heads
-    return _cta_schedule("triton_mla", problem, gpu, ctas, splits, partials, programs_per_sm)
-
-
-def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
-    """Lean (default and batch-invariant) and its peers on one problem on ``gpu``: FA2 and Flex, or
-    for MLA (``Problem.latent``) FlashMLA and vLLM's Triton MLA."""
-    lean = {
-        "lean": lean_sim_schedule(problem, gpu, programs_per_sm),
-        "lean_invariant": lean_sim_schedule(problem, gpu, programs_per_sm, batch_invariant=True),
-    }
-    if problem.latent:
-        return lean | {
-            "flashmla": flashmla_schedule(problem, gpu, programs_per_sm),
-            "triton_mla": triton_mla_schedule(problem, gpu, programs_per_sm),
-        }
-    fa2, block_n = fa2_splits(problem, gpu.sms)
-    return lean | {
-        "fa2": fixed_split_schedule("fa2", problem, gpu, fa2, block_n, programs_per_sm),
-        "flex": fixed_split_schedule("flex", problem, gpu, flex_splits(problem, gpu.sms), 64, programs_per_sm),
-    }
+def _serial_reduce(
+    sched: Schedule, splits: int, in_flight: int, partial_bytes: int, gpu: GPUModel, gap_us: float | None = None
+) -> Schedule:
+    """A reduce kernel's CTA folds one output's ``splits`` partials in order, ``in_flight`` loads at
+    a time: its launch gap (``gap_us``, default the GPU's) and that chain of L2 round trips and
+    bytes through one SM's port. The combine kernel costs the larger of this and
+    ``_cta_schedule``'s bound (the partials over every SM's port), so only a reduce that runs
+    (``merge_us`` > 0) is charged."""
+    if not sched.merge_us:
+        return sched
+    gap = gpu.launch_gap_us if gap_us is None else gap_us
+    chain = gap + _merge_level_us(splits, in_flight, partial_bytes, gpu)
+    if chain <= sched.merge_us:
+        return sched
+    return dataclasses.replace(sched, time_us=sched.time_us - sched.merge_us + chain, merge_us=chain)

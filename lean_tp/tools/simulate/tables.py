@@ -9,8 +9,10 @@ from lean_tp import cli
 from lean_tp.tools.gpus import GPUS, GPUModel, link_of
 from lean_tp.tools.processes import map_in_processes
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_MODES, deterministic_schedules
+from lean_tp.tools.simulate.methods import simulate
+from lean_tp.tools.simulate.mla import MLA_PEERS
 from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
-from lean_tp.tools.simulate.schedules import Schedule, lean_sim_schedule, simulate
+from lean_tp.tools.simulate.schedules import Schedule, lean_sim_schedule
 
 
 def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict:
@@ -197,18 +199,23 @@ def format_tp_table(rows: list[dict]) -> str:
 
 
 def format_mla_table(rows: list[dict]) -> str:
-    """The MLA sweep's rows (``--mla-sweep``): lean against FlashMLA and vLLM's Triton MLA."""
+    """The MLA sweep's rows (``--mla-sweep``): lean against each MLA peer (``mla.MLA_PEERS``), the
+    peer's time over lean's (above 1: lean is faster)."""
+    names = ("FlashMLA", "FlashInfer", "vLLM Triton", "SGLang Triton")
     head = (
-        "| GPU | TP (heads / rank) | cache | B | context | lean us | merge us | programs | lean BW | FlashMLA splits "
-        "| FlashMLA us | Triton MLA splits | Triton MLA us | FlashMLA / lean | Triton MLA / lean |"
+        "| GPU | model | rank (heads) | cache | Tq | B | context | lean us | merge us | programs | "
+        + " | ".join(f"{n} us" for n in names)
+        + " | "
+        + " | ".join(f"{n} / lean" for n in names)
+        + " |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * (10 + 2 * len(names))]
     for r in rows:
+        times = " | ".join(f"{r[f'{peer}_us']:.1f}" for peer in MLA_PEERS)
+        ratios = " | ".join(_ratio(r[f"speedup_vs_{peer}"]) for peer in MLA_PEERS)
         lines.append(
-            f"| {r['gpu']} | {r['tp']} ({r['heads']}) | {r['cache']} | {r['batch']} | {r['context']} "
-            f"| {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_programs']} | {r['lean_bw']:.2f} "
-            f"| {r['flashmla_splits']} | {r['flashmla_us']:.1f} | {r['triton_mla_splits']} | {r['triton_mla_us']:.1f} "
-            f"| {_ratio(r['speedup_vs_flashmla'])} | {_ratio(r['speedup_vs_triton_mla'])} |"
+            f"| {r['gpu']} | {r['model']} | {r['parallel']} ({r['heads']}) | {r['cache']} | {r['tq']} | {r['batch']} "
+            f"| {r['context']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_programs']} | {times} | {ratios} |"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,41 @@
+"""The methods one problem is simulated with (``simulate``): lean in both modes, and its peers,
+FlashDecoding and Flex for standard attention, the MLA kernels (``mla.MLA_PEERS``) for MLA."""
+
+from __future__ import annotations
+
+from lean_tp.tools.gpus import GPUModel
+from lean_tp.tools.simulate.mla import (
+    flashinfer_mla_schedule,
+    flashmla_schedule,
+    sglang_mla_schedule,
+    triton_mla_schedule,
+)
+from lean_tp.tools.simulate.problems import Problem
+from lean_tp.tools.simulate.schedules import (
+    Schedule,
+    fa2_splits,
+    fixed_split_schedule,
+    flex_splits,
+    lean_sim_schedule,
+)
+
+
+def simulate(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:
+    """Lean (default and batch-invariant) and its peers on one problem on ``gpu``: FA2 and Flex, or
+    for MLA (``Problem.latent``) FlashMLA, FlashInfer's MLA, and vLLM's and SGLang's Triton MLA."""
+    lean = {
+        "lean": lean_sim_schedule(problem, gpu, programs_per_sm),
+        "lean_invariant": lean_sim_schedule(problem, gpu, programs_per_sm, batch_invariant=True),
+    }
+    if problem.latent:
+        return lean | {
+            "flashmla": flashmla_schedule(problem, gpu, programs_per_sm),
+            "flashinfer_mla": flashinfer_mla_schedule(problem, gpu, programs_per_sm),
+            "triton_mla": triton_mla_schedule(problem, gpu, programs_per_sm),
+            "sglang_mla": sglang_mla_schedule(problem, gpu, programs_per_sm),
+        }
+    fa2, block_n = fa2_splits(problem, gpu.sms)
+    return lean | {
+        "fa2": fixed_split_schedule("fa2", problem, gpu, fa2, block_n, programs_per_sm),
+        "flex": fixed_split_schedule("flex", problem, gpu, flex_splits(problem, gpu.sms), 64, programs_per_sm),
+    }
