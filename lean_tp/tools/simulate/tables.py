@@ -299,9 +299,9 @@ def format_verification(rows: list[dict]) -> list[str]:
         "",
         "Each query token of a Tq-token verification is decoded as a sequence of its own over the keys up to "
         "its own, so that its bits are those of its one-token decode (docs/design.md); it reads the keys once "
-        "per token where the default mode reads them once per row block. Every read is charged at HBM "
-        "bandwidth: re-reads that another program's read of the same keys leaves in L2 are not credited, so "
-        "the ratios are upper bounds. Shapes: a TP-8 rank (one KV head, D=128) of each GQA group and "
+        "per token where the default mode reads them once per row block. A re-read of keys another program "
+        "read shortly before is an L2 hit (the L2 model, docs/BENCHMARKS.md). Shapes: a TP-8 rank (one KV "
+        "head, D=128) of each GQA group and "
         "DeepSeek-V3's MLA rank (16 heads, 576/512), one and sixteen sequences of 4k and 32k keys.",
         "",
         "| GPU | shape | Tq | invariant / default |",
