@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from flash_decoding import flash_decoding
 
 import lean_tp
+from lean_tp.tools.simulate import triton_mla_split_count
 
 Inputs = dict[str, torch.Tensor]
 
@@ -205,13 +206,13 @@ def _flashinfer_mla(s: Inputs):
 
 def _vllm_triton_mla(s: Inputs):
     """vLLM's Triton MLA decode (``decode_attention_fwd`` with ``is_mla``), with the split count
-    its backend picks (vllm/v1/attention/backends/mla/triton_mla.py: the longest sequence over 512
-    keys, to a power of two, at most 2 per SM) and its fp32 scratch allocated here, untimed."""
+    its backend picks (the simulator's ``triton_mla_split_count``) and its fp32 scratch allocated
+    here, untimed."""
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
     q, lens, kv = s["q"], s["cache_seqlens"], s["k_cache"]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-    splits = min(1 << (max(1, int(lens.max()) // 512) - 1).bit_length(), 2 * sms)
+    splits = triton_mla_split_count(int(lens.max()), sms)
     out = q.new_empty(q.shape[0], q.shape[1], MLA_RANK)
     lse = q.new_empty(q.shape[0], q.shape[1])
     logits = torch.empty(q.shape[0], q.shape[1], splits, MLA_RANK + 1, dtype=torch.float32, device=q.device)

@@ -12,6 +12,7 @@ from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUT
 from lean_tp.tools.simulate import (
     GPUS,
     LINKS,
+    MLA_PEER_CONSTANTS,
     MLA_PEERS,
     MODEL_PRESETS,
     Problem,
@@ -352,9 +353,10 @@ def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
 
     stub = lambda problems, gpus, *_: [dict(row, gpu=g) for _ in problems for g in gpus]  # noqa: E731
     monkeypatch.setattr(sim_cli, "table_rows_parallel", stub)
-    png = tmp_path / "mla.png"
-    assert main(["--mla-sweep", "--gpu", "H100", "--plot", str(png)]) == 0
+    png, out_json = tmp_path / "mla.png", tmp_path / "mla.json"
+    assert main(["--mla-sweep", "--gpu", "H100", "--plot", str(png), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
+    assert json.loads(out_json.read_text())["mla_peer_constants"] == [list(c) for c in MLA_PEER_CONSTANTS]
     assert "| H100 | deepseek-v3 | DP (128) | fp8 | 2 | 128 | 131072 |" in out and png.stat().st_size > 10_000
 
 

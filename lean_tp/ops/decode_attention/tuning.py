@@ -642,10 +642,13 @@ TABLE_HEAD_DIMS = (64, 128, 256)
 # MLA keeps 64: its partials are 4-8x wider, so each link of the chain costs more.
 _B200 = "; sm_100: 96 contributors an output (Little's law at 6.9 TB/s; simulator)"
 B200_CONTRIBUTORS = 12 * MERGE_FANIN
-for _key in [("sm100", d, elem) for d in TABLE_HEAD_DIMS for elem in (1, 2)]:
-    _entry = TUNING_TABLE.get(_key) or TUNING_TABLE[("sm90", *_key[1:])]
-    TUNING_TABLE[_key] = dataclasses.replace(_entry, max_contributors=B200_CONTRIBUTORS, reason=_entry.reason + _B200)
-del _key, _entry
+TUNING_TABLE |= {
+    ("sm100", d, elem): dataclasses.replace(entry, max_contributors=B200_CONTRIBUTORS, reason=entry.reason + _B200)
+    for d in TABLE_HEAD_DIMS
+    for elem in (1, 2)
+    # sm_100's own entry where it has one, else the one it takes (archs.ARCHS: sm_90's)
+    for entry in (TUNING_TABLE.get(("sm100", d, elem)) or TUNING_TABLE[(ARCHS["sm100"].tuning, d, elem)],)
+}
 
 
 def padded_head_dim(head_dim: int) -> int:

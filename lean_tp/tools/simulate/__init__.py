@@ -39,6 +39,7 @@ from lean_tp.tools.simulate.mla import (
     sglang_mla_schedule,
     sglang_mla_splits,
     triton_mla_schedule,
+    triton_mla_split_count,
     triton_mla_splits,
 )
 from lean_tp.tools.simulate.problems import (
@@ -102,6 +103,7 @@ __all__ = [
     "table_rows",
     "table_rows_parallel",
     "triton_mla_schedule",
+    "triton_mla_split_count",
     "triton_mla_splits",
     "verification_sweep_cases",
     "verification_table_rows",

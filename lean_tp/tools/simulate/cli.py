@@ -19,6 +19,7 @@ from lean_tp.ops.utils import interpreted
 from lean_tp.tools.gpus import DEFAULT_GPUS, GPUS, LINK_SOURCES, LINKS, MODEL_SOURCES
 from lean_tp.tools.simulate.deterministic import ENGINE_CONSTANTS, ENGINE_VERSIONS
 from lean_tp.tools.simulate.methods import simulate
+from lean_tp.tools.simulate.mla import MLA_PEER_CONSTANTS
 from lean_tp.tools.simulate.plots import plot_cp_sweep, plot_deterministic_sweep, plot_gantt, plot_mla_sweep, plot_sweep
 from lean_tp.tools.simulate.problems import (
     MAX_BATCH,
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.deterministic_sweep
                     else {}
                 ),
+                **({"mla_peer_constants": MLA_PEER_CONSTANTS} if args.mla_sweep else {}),
                 "rows": rows,
             },
             indent=1,

@@ -24,7 +24,7 @@ import math
 
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _serial_reduce, lean_sim_schedule
+from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _serial_reduce, lean_sim_schedule, partial_bytes
 
 # The engine versions read: vLLM 0.33.0, SGLang 0.5.23 (which pins FlashInfer 0.7.2).
 ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23", "flashinfer": "0.7.2"}
@@ -97,8 +97,9 @@ def sglang_flashinfer_schedule(problem: Problem, gpu: GPUModel, programs_per_sm:
     split_kv = max(chunks) > 1
     partials = sum(chunks) * problem.n_heads if split_kv else 0
     sched = _cta_schedule("sglang_flashinfer", problem, gpu, ctas, max(chunks), partials, programs_per_sm)
-    partial_bytes = (problem.head_dim_v or problem.head_dim) * problem.elem_size + 4
-    return _serial_reduce(sched, max(chunks), FLASHINFER_MERGE_IN_FLIGHT, partial_bytes, gpu)
+    return _serial_reduce(
+        sched, max(chunks), FLASHINFER_MERGE_IN_FLIGHT, partial_bytes(problem, problem.elem_size), gpu
+    )
 
 
 def sglang_triton_splits(length: int) -> tuple[int, int]:
@@ -127,8 +128,7 @@ def sglang_triton_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int
     ]
     partials = sum(s for s, _ in plan) * problem.n_heads
     sched = _cta_schedule("sglang_triton", problem, gpu, ctas, most, partials, programs_per_sm)
-    partial_bytes = ((problem.head_dim_v or problem.head_dim) + 1) * 4
-    return _serial_reduce(sched, most, SGLANG_TRITON_REDUCE_IN_FLIGHT, partial_bytes, gpu)
+    return _serial_reduce(sched, most, SGLANG_TRITON_REDUCE_IN_FLIGHT, partial_bytes(problem, 4), gpu)
 
 
 def deterministic_schedules(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> dict[str, Schedule]:

@@ -13,9 +13,13 @@ import dataclasses
 import heapq
 import math
 
+import torch
+import triton
+
+from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _merge_level_us, _serial_reduce
+from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _merge_level_us, _serial_reduce, partial_bytes
 
 # FlashMLA (deepseek-ai/FlashMLA 9241ae3): its scheduler (csrc/smxx/decode/get_decoding_sched_meta/
 # get_decoding_sched_meta.cu, one CTA of 32 threads, run once a step and reused by every layer:
@@ -87,9 +91,9 @@ def _rows(problem: Problem) -> int:
 
 def _token_rows(problem: Problem) -> list[tuple[int, int]]:
     """(request, keys) of each query token as a row of its own: token t of a Tq-token request sees
-    its keys up to its own (the Triton kernels' draft rows)."""
-    tq = problem.num_tokens
-    return [(b, max(0, n - (tq - 1 - t))) for b, n in enumerate(problem.lens) for t in range(tq)]
+    its keys up to its own (the Triton kernels' draft rows; ``launch_args.token_lengths``)."""
+    lens = token_lengths(torch.tensor(problem.lens, dtype=torch.int32), problem.num_tokens).tolist()
+    return [(i // problem.num_tokens, n) for i, n in enumerate(lens)]
 
 
 def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
@@ -130,18 +134,18 @@ def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     heads = min(FLASHMLA_COMBINE_HEADS, rows)
     # Launched programmatically dependent: the decode kernel's end is one L2 round trip away.
     return _serial_reduce(sched, max(split, default=1), FLASHMLA_COMBINE_IN_FLIGHT,
-                          heads * _partial_bytes(problem, 4), gpu, gap_us=gpu.l2_latency_us)  # fmt: skip
-
-
-def _partial_bytes(problem: Problem, elem: int) -> int:
-    """One head's partial: V's width at ``elem`` bytes, and its lse."""
-    return (problem.head_dim_v or problem.head_dim) * elem + 4
+                          heads * partial_bytes(problem, 4), gpu, gap_us=gpu.l2_latency_us)  # fmt: skip
 
 
 def triton_mla_splits(problem: Problem, gpu: GPUModel) -> int:
     """vLLM's Triton MLA split count: one for the whole batch, from its longest sequence."""
-    ideal = 1 << (max(1, max(problem.lens) // TRITON_MLA_MIN_SPLIT) - 1).bit_length()
-    return min(ideal, gpu.sms * TRITON_MLA_SPLITS_PER_SM)
+    return triton_mla_split_count(max(problem.lens), gpu.sms)
+
+
+def triton_mla_split_count(longest: int, sms: int) -> int:
+    """vLLM's Triton MLA split count for a batch whose longest sequence has ``longest`` keys on a
+    GPU of ``sms`` SMs (``_compute_num_kv_splits`` in its backend)."""
+    return min(triton.next_power_of_2(max(1, longest // TRITON_MLA_MIN_SPLIT)), sms * TRITON_MLA_SPLITS_PER_SM)
 
 
 def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
@@ -162,12 +166,15 @@ def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | 
     sched = _cta_schedule(
         "triton_mla", problem, gpu, ctas, splits, len(rows) * splits * problem.n_heads, programs_per_sm
     )
-    return _serial_reduce(sched, splits, TRITON_MLA_REDUCE_IN_FLIGHT, _partial_bytes(problem, 4), gpu)
+    return _serial_reduce(sched, splits, TRITON_MLA_REDUCE_IN_FLIGHT, partial_bytes(problem, 4), gpu)
 
 
 def sglang_mla_splits(problem: Problem, gpu: GPUModel, context_len: int = SGLANG_MLA_CONTEXT_LEN) -> list[int]:
     """SGLang's Triton MLA splits of each row (``get_num_kv_splits_triton``, rows grouped by token)."""
-    cap = max(SGLANG_MLA_BASE_SPLITS, min(_pow2(gpu.sms), _pow2(math.ceil(context_len / SGLANG_MLA_MIN_BLOCK_KV))))
+    cap = max(
+        SGLANG_MLA_BASE_SPLITS,
+        min(triton.next_power_of_2(gpu.sms), triton.next_power_of_2(math.ceil(context_len / SGLANG_MLA_MIN_BLOCK_KV))),
+    )
     longest, shortest = max(problem.lens), max(1, min(problem.lens))
     if longest * 8 < shortest * 10:
         shortest = longest
@@ -178,10 +185,6 @@ def sglang_mla_splits(problem: Problem, gpu: GPUModel, context_len: int = SGLANG
     )
     chunk_2 = math.ceil(longest / min(math.ceil(spread / grid), cap))
     return [max(math.ceil(n / chunk_1), math.ceil(n / chunk_2)) for _, n in _token_rows(problem)]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def sglang_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | None = None) -> Schedule:
@@ -200,7 +203,7 @@ def sglang_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | 
                 if s < count:
                     ctas.append((k1 - k0, b, [(b, 0, k0, k1 - k0)]))
     sched = _cta_schedule("sglang_mla", problem, gpu, ctas, most, sum(splits) * problem.n_heads, programs_per_sm)
-    return _serial_reduce(sched, most, SGLANG_MLA_REDUCE_IN_FLIGHT, _partial_bytes(problem, 4), gpu)
+    return _serial_reduce(sched, most, SGLANG_MLA_REDUCE_IN_FLIGHT, partial_bytes(problem, 4), gpu)
 
 
 def _kv_len_limit(keys_per_cluster: int) -> int:
@@ -241,6 +244,6 @@ def flashinfer_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: in
     per_cta = math.ceil(split_rows / gpu.sms)
     steps = math.ceil(per_cta / FLASHINFER_MLA_MERGE_ROWS)
     merge = 2 * gpu.l2_latency_us + steps * _merge_level_us(
-        max(chunks), FLASHINFER_MLA_MERGE_IN_FLIGHT, FLASHINFER_MLA_MERGE_ROWS * _partial_bytes(problem, 2), gpu, False
+        max(chunks), FLASHINFER_MLA_MERGE_IN_FLIGHT, FLASHINFER_MLA_MERGE_ROWS * partial_bytes(problem, 2), gpu, False
     )
     return dataclasses.replace(sched, time_us=sched.time_us + merge, merge_us=merge)

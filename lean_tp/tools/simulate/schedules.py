@@ -161,6 +161,11 @@ def _shared_clock(works: list[float], rate: float):
     return clock
 
 
+def partial_bytes(problem: Problem, elem: int) -> int:
+    """One query head's partial of a split output: V's width at ``elem`` bytes, and its lse."""
+    return (problem.head_dim_v or problem.head_dim) * elem + 4
+
+
 def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel, counted: bool = True) -> float:
     """One level of the tree: the arrival atomic (when ``counted``), one L2 round trip per wave of
     partial loads, and the partials through the merger's L2 port."""
@@ -366,9 +371,9 @@ def _cta_schedule(
 ) -> Schedule:
     """CTAs, each (tokens, output) in launch order, or (tokens, output, pieces) where several CTAs
     read the same keys, pieces being the (request, KV head, first key, keys) ranges it reads in
-    order (``l2.hbm_share`` then credits re-reads), dispatched to the least-loaded SM (an empty one exits at once); then, with ``partials`` (partials of V's
-    width, of every sequence) above 0, a combine kernel: a launch gap, two dependent L2 reads, the
-    partials over every SM's port."""
+    order (``l2.hbm_share`` then credits re-reads), dispatched to the least-loaded SM (an empty
+    one exits at once); then, with ``partials`` (partials of V's width, of every sequence) above
+    0, a combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port."""
     sms = gpu.sms
     load = [(0, sm) for sm in range(sms)]
     work, bars, on_sm, placed = [0] * sms, [], [0] * sms, []
@@ -399,7 +404,7 @@ def _cta_schedule(
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
     if partials and any(work):  # no CTA wrote a partial: nothing to combine
-        nbytes = partials * ((problem.head_dim_v or problem.head_dim) + 1) * 4
+        nbytes = partials * partial_bytes(problem, 4)
         combine = gpu.launch_gap_us + 2 * gpu.l2_latency_us + nbytes / (sms * gpu.l2_port_gbps * 1e3)
     return Schedule(
         method,
