@@ -3,6 +3,8 @@ maps to an entry or is refused by name, the limits are the CUDA programming guid
 architecture has a tuning entry for every head dim and dtype the kernel takes. What each entry
 compiles to on each architecture is in tests/test_kernel_report.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,13 @@ from lean_tp.ops.decode_attention import tuning
 from lean_tp.ops.decode_attention.archs import ARCHS, KB, PARTS, REPORT_PART, arch_for_capability
 from lean_tp.ops.decode_attention.grid import SM_LIMITS
 from lean_tp.ops.decode_attention.plan import e4m3_as_bits
-from lean_tp.ops.decode_attention.tuning import TABLE_HEAD_DIMS, config_for, head_dim_pairs
+from lean_tp.ops.decode_attention.tuning import (
+    B200_CONTRIBUTORS,
+    TABLE_HEAD_DIMS,
+    TUNING_TABLE,
+    config_for,
+    head_dim_pairs,
+)
 
 CAPABILITIES = {
     (8, 0): "sm80",  # A100
@@ -100,3 +108,12 @@ def test_the_grid_reads_a_devices_limits_and_its_architectures(monkeypatch):
     assert limits.smem_per_sm == 100 * KB and limits == SM_LIMITS["sm89"]
     assert programs_per_sm(100, 30 * KB, 4, limits) == 3  # shared memory: 3 x 31 KB of 100 KB
     assert programs_per_sm(32, 0, 4, limits) == 12  # threads: 1536 / 128
+
+
+def test_a_contributor_cap_below_two_is_refused():
+    """The schedule's cost rule gives each program cdiv(T - 1, max_contributors - 1) tiles: a cap of
+    1 (or less) is refused when the entry is made, naming the field."""
+    entry = TUNING_TABLE[("sm100", 128, 2)]
+    assert entry.max_contributors == B200_CONTRIBUTORS
+    with pytest.raises(ValueError, match=r"DecodeConfig.max_contributors: expected an int >= 2, got 1"):
+        dataclasses.replace(entry, max_contributors=1)

@@ -103,6 +103,8 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
         if self.tile_n % self.block_n:
             raise ValueError(f"DecodeConfig.tile_n: expected a multiple of block_n={self.block_n}, got {self.tile_n}")
+        if self.max_contributors < 2:  # the schedule's cost rule divides by max_contributors - 1
+            raise ValueError(f"DecodeConfig.max_contributors: expected an int >= 2, got {self.max_contributors}")
 
 
 # Least LeanTiles per active program. The paper shrank the grid to 2 tiles per program to bound
