@@ -165,3 +165,21 @@ def test_result_does_not_depend_on_arrival_order(arrival_order, batch_invariant)
     assert_matches_feature_ref(*results[0], inputs, ATOL[torch.float32])
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_merge_in_column_slices(arrival_order):
+    """Partials wider than the merge wave are merged in column slices (``DecodeConfig.
+    merge_slice_elems``; 64-row MLA blocks): here 4 slices of 16 columns, over the two-level tree of
+    a whole grid, with sinks (each slice normalized alike, the lse stored once) and two query tokens,
+    exact and bitwise the same whatever order the programs arrive in."""
+    config = dataclasses.replace(CONFIG, merge_wave_elems=512, merge_slice_elems=256)
+    inputs = make_feature_inputs([WHOLE_GRID - 9, 33], 8, 1, 64, torch.float32, "paged16", tq=2, sinks=True, seed=8)
+    plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=64, config=config)
+    assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["BLOCK_D"] == 64
+    out, lse, counters = run(inputs, 64, config=config)
+    assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
+    assert (counters == 0).all()
+    assert max(len(groups) for groups in plan_of(inputs, 64, config).values()) > 1  # two levels
+    arrival_order[:] = list(range(64))[::-1]
+    again, again_lse, _ = run(inputs, 64, config=config)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)

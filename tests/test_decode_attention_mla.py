@@ -79,6 +79,30 @@ def test_decode_attention_kernel_mla(layout, group, dtype):
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[dtype])
 
 
+def test_decode_attention_kernel_mla_64_row_blocks():
+    """DP attention's rank (128 heads on one latent head): two 64-row blocks with the scores
+    computed keys-major, each output split over several programs and merged in 64-column slices,
+    beside a whole short output and an empty one, against float64."""
+    lens = [10 * TILE + 3, 5, 0]
+    inputs = _mla_inputs("paged16", 128, torch.bfloat16, seed=7, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    cx = plan_decode(**inputs, num_programs=12).kernel.constexprs
+    assert (cx["BLOCK_G"], cx["NUM_GC"], cx["SCORES_T"], cx["MERGE_COLS"]) == (64, 2, True, 64)
+    out, lse = run_kernel(inputs, num_programs=12)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+
+
+def test_a_grid_has_a_program_for_each_row_block():
+    """MTP at DP attention (Tq 4 x 128 heads: 8 row blocks of 64) on a 3-program grid: the launcher
+    grows the grid to 9, a program for each lane of the schedule, and the result is exact."""
+    lens = [TILE + 6, 3]
+    inputs = _mla_inputs("paged16", 128, torch.bfloat16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs["q"] = torch.randn(len(lens), 4, 128, KERNEL_DQK).bfloat16()
+    plan = plan_decode(**inputs, num_programs=3)
+    assert (plan.kernel.lanes, plan.num_programs) == (8, 9)
+    out, lse = run_kernel(inputs, num_programs=3)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+
+
 def test_decode_attention_kernel_mla_v_of_its_own():
     """V a tensor of its own with K's layout but 512 columns (not a view): read apart from K."""
     inputs = _mla_inputs("paged16", 16, torch.float16, seed=3, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)

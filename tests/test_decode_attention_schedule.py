@@ -79,6 +79,40 @@ def test_schedule_covers_every_tile_once_with_balanced_loads(
     check_merge_plan(programs)
 
 
+@needs_kernel
+@settings(max_examples=10, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 600), min_size=1, max_size=8),
+    kv_heads=st.integers(1, 3),
+    lanes=st.sampled_from([2, 4, 8]),
+    num_programs=st.sampled_from([1, 3, 8, 24, 66]),
+)
+def test_row_blocks_read_in_step(lens, kv_heads, lanes, num_programs):
+    """With lanes (a KV head's row blocks: DP attention's 128 heads in two 64-row blocks) each
+    program of lane c holds program q's tiles of lane 0, for row block c: the row blocks of a KV
+    head read each key at the same time. Every tile still once, contributors contiguous, the merge
+    tree bounded. A grid needs a program a lane (the launcher's grid has one)."""
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    head_units = kv_heads * lanes
+    if num_programs < lanes:
+        with pytest.raises(ValueError, match="lanes"):
+            lean_schedule(seqlens, head_units, 16, num_programs, lanes=lanes)
+        return
+    programs = lean_schedule(seqlens, head_units, 16, num_programs, max_segments=128, lanes=lanes)
+    total = head_units * sum(math.ceil(n / 16) for n in lens)
+    covered = [
+        (s.b, s.head_unit, t) for segs in programs for s in segs for t in range(s.first_tile, s.first_tile + s.n_tiles)
+    ]
+    assert len(covered) == len(set(covered)) == total
+    check_merge_plan(programs)
+    assert len(programs) % lanes == 0
+    n_lane = len(programs) // lanes
+    for p, segments in enumerate(programs):
+        lane, q = divmod(p, n_lane)
+        in_step = [s._replace(head_unit=s.head_unit - s.head_unit % lanes + lane) for s in programs[q]]
+        assert segments == in_step
+
+
 def check_merge_plan(programs) -> None:
     """Every partial of a split output is merged exactly once: each contributor in one group, groups
     of <= MERGE_FANIN consecutive programs in program order, and a serial chain (the largest group

@@ -54,7 +54,9 @@ def stats() -> list[KernelStats]:
 
 
 def _report_rows(stats):
-    return [s for s in stats if s.group == report_group(s.head_dim) and not s.leftpad and s.dtype != "bf16"]
+    """The rows docs/kernel_report.md shows: each entry's report group, and MLA's other ranks' groups."""
+    shown = lambda s: s.group == report_group(s.head_dim) or s.head_dim_v != s.head_dim  # noqa: E731
+    return [s for s in stats if shown(s) and not s.leftpad and s.dtype != "bf16"]
 
 
 def test_every_table_entry_compiles_for_every_layout(stats):
@@ -87,13 +89,14 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
     the next occupancy step (sm_80 D=128 paged: 12 words, to stay at 168 registers); more than a few
-    words would mean the loop's live state does not fit."""
+    words would mean the loop's live state does not fit. MLA's 64-row blocks hold 128 accumulator
+    registers a thread of their 255, and spill up to 64 cold words outside the loop."""
     rows = [
         s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout and not s.features
     ]
     assert rows
     for s in rows:
-        assert s.loop_spills == 0 and s.spill_bytes <= 64, s
+        assert s.loop_spills == 0 and s.spill_bytes <= (256 if s.block_g == 64 else 64), s
         assert s.sass_per_iter > 0, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= 1, s
@@ -158,7 +161,11 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
     (triton 3.7.1: 0.96-1.04x): the page lookup (a shift and a mask per key, page ids a stage
     ahead) and the key addresses, formed once for K and V (``DecodeConfig.share_kv_addresses``),
     stay a small part of the loop. Signed // and % for page and slot took sm_90 D=128 to 1.16x."""
-    rows = {(s.arch, s.head_dim, s.layout): s for s in _report_rows(stats) if s.dtype == "fp16" and not s.features}
+    rows = {
+        (s.arch, s.head_dim, s.layout): s
+        for s in _report_rows(stats)
+        if s.dtype == "fp16" and not s.features and s.group == report_group(s.head_dim)
+    }
     pairs = [
         (rows[(a, d, "paged16")].sass_per_iter, s.sass_per_iter)
         for (a, d, layout), s in rows.items()
@@ -223,19 +230,24 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
     """MLA's 576/512 entries, V read from K's tile (``V_IN_K``): the K/V loop copies 576 x elem
     bytes per key (1152 at 16 bits, 576 fp8), not (576 + 512) x elem; every layout and feature
     (fp8, Tq 4, the invariant mode, all of them) keeps its K/V loop free of spills, copies the
-    latent columns 16 bytes at a time and holds 2 K/V buffers. The second load width is the rope
-    columns': 8 bytes on sm_80 fp8 (64 bytes a row over 256 threads for 32 keys). The tests
-    compile the contiguous and paged16 rows and e4m3's (``sample_jobs``); docs/kernel_report.md
-    has every layout and feature."""
+    latent columns 16 bytes at a time and holds 2 K/V buffers, at least twice what Little's law asks
+    of an SM (32-key fp8 blocks: 2.3x). The second load width is the rope
+    columns': 64 x elem bytes a key over the 256 threads, at most 16 (fp8, 32 keys: 8). The tests
+    compile the contiguous and paged16 rows and e4m3's (``sample_jobs``), and on sm_90 DP
+    attention's 128 heads at 16 bits, in two 64-row blocks; docs/kernel_report.md has every layout
+    and feature, and groups 64 and 128 on both archs (sm_90's 64-row e4m3 and Tq 4 rows reload a
+    few loop-invariant words an iteration there)."""
     rows = [s for s in stats if s.arch == arch and s.head_dim == 576]
     assert {s.layout for s in rows if not s.features} == {"contiguous", "paged16"}, rows
     assert "fp8_e4m3" in {s.features for s in rows}, rows
+    wide = {(s.features, s.block_g, s.row_blocks) for s in rows if s.group == 128}
+    assert wide == ({("", 64, 2)} if arch == "sm90" else set()), wide
     for s in rows:
         fp8 = FEATURES[s.features].fp8 is not None
         assert s.head_dim_v == 512 and s.bytes_per_key == 576 * (1 if fp8 else 2), s
         assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2 and s.wait_group >= 1, s
-        assert s.v_load_bytes == 16 or (fp8 and arch == "sm80" and s.v_load_bytes == 8), s
-        assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 4 * s.littles_law_bytes, s
+        assert s.v_load_bytes == min(16, s.block_n * 64 * (1 if fp8 else 2) // (s.num_warps * 32)), s
+        assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 2 * s.littles_law_bytes, s
 
 
 @pytest.mark.archs  # about 2.5 minutes on 2 cores: CI runs it as a step of its own (pytest -m archs)

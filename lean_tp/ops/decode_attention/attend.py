@@ -11,14 +11,22 @@ import os
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.merge import ref_max
-
 E4M3_BITS_SCALE = tl.constexpr(256.0)  # see _upcast
 # Read when the module is imported, as ``triton.jit`` reads it; compiled kernels never see the branch.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # The Triton interpreter computes bf16 arithmetic wrongly (numpy has no bf16; its loads, stores and
 # conversions are exact), so there q is upcast on loading and the dots take fp32 operands.
 BF16_DOTS_IN_FP32 = INTERPRETED
+
+
+@triton.jit
+def ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
+    """The running max to exponentiate against: m, or 0 for rows that have seen no key (m = -inf,
+    possible only with MAY_BE_EMPTY), so that exp2(-inf - ref) = 0 instead of NaN."""
+    if MAY_BE_EMPTY:
+        return tl.where(b_m == float("-inf"), 0.0, b_m)
+    else:
+        return b_m
 
 
 @triton.jit
@@ -136,6 +144,49 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
 
 
 @triton.jit
+def _per_row(x, SCORES_T: tl.constexpr):
+    """x [BLOCK_G] (one value a query row) broadcast against the scores."""
+    if SCORES_T:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_key(x, SCORES_T: tl.constexpr):
+    """x [BLOCK_N] (one value a key) broadcast against the scores."""
+    if SCORES_T:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def q_operands(b_q, b_qt, SCORES_T: tl.constexpr):
+    """q's dot operands for the K/V loop (``rows.load_q``'s b_q, b_qt), transposed with SCORES_T.
+
+    Called before the loop: the transpose of a value held in registers is a copy through shared
+    memory, which Triton then keeps for the loop's dots to read (one copy per segment); a
+    transpose inside the loop copies q there on every block (sm_90, 64-row blocks: 290 local
+    accesses an iteration; kernel report)."""
+    if SCORES_T:
+        return tl.trans(b_q), tl.trans(b_qt)
+    else:
+        return b_q, b_qt
+
+
+@triton.jit
+def _qk(b_q, b_k, b_s, DOT_PRECISION: tl.constexpr, SCORES_T: tl.constexpr):
+    """b_s plus q.k of every row of q and key of b_k [BLOCK_N, C]: b_q is q [BLOCK_G, C], and
+    the scores [BLOCK_G, BLOCK_N]; with SCORES_T b_q is q^T [C, BLOCK_G] (``q_operands``) and the
+    scores K q^T [BLOCK_N, BLOCK_G]."""
+    if SCORES_T:
+        return tl.dot(b_k, b_q, b_s, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(b_q, tl.trans(b_k), b_s, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def attend_block(
     b_acc,
     b_m,
@@ -175,6 +226,7 @@ def attend_block(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr,
 ):
     """The state (acc [BLOCK_G, BLOCK_D], m, l [BLOCK_G]) after keys [n0, min(n0 + BLOCK_N, n_hi))
     are added to it: one iteration of the K/V loop (``attend_segment`` gives the arguments)."""
@@ -194,30 +246,35 @@ def attend_block(
     p_k = k_ptr + o_k[:, None] + o_d[None, :]
     p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
     b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    b_s = _qk(b_q, b_k, None, DOT_PRECISION, SCORES_T)
     if HEAD_DIM_T > 0:
         o_dt = tl.arange(0, BLOCK_DT // PER_COL)
         p_kt = k_ptr + o_k[:, None] + (HEAD_DIM // PER_COL + o_dt)[None, :]
         b_kt = _upcast(load_rows(p_kt, m_n, o_dt, HEAD_DIM_T // PER_COL, BLOCK_DT // PER_COL), b_q.dtype, E4M3_BITS)
-        b_s = tl.dot(b_qt, tl.trans(b_kt), b_s, input_precision=DOT_PRECISION)
+        b_s = _qk(b_qt, b_kt, b_s, DOT_PRECISION, SCORES_T)
     b_s = b_s * qk_scale
     if SOFTCAP:
         b_s = cap_log2 * (1.0 - 2.0 / (tl.exp2(b_s) + 1.0))
     if ROW_MASK:
-        m_s = m_n[None, :] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        o_nk = _per_key(o_n, SCORES_T)
+        m_s = _per_key(m_n, SCORES_T) & (o_nk >= _per_row(b_lo, SCORES_T)) & (o_nk < _per_row(b_hi, SCORES_T))
     else:
-        m_s = m_n[None, :]
+        m_s = _per_key(m_n, SCORES_T)
+    ROW_AXIS: tl.constexpr = 0 if SCORES_T else 1  # the scores' axis of keys, reduced per row
     b_s = tl.where(m_s, b_s, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, ROW_AXIS))
     b_m_ref = ref_max(b_m_new, ROW_MASK)
     b_alpha = tl.exp2(b_m - b_m_ref)
-    b_p = tl.exp2(b_s - b_m_ref[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_p = tl.exp2(b_s - _per_row(b_m_ref, SCORES_T))
+    b_l = b_l * b_alpha + tl.sum(b_p, ROW_AXIS)
     if V_IN_K:
         b_v = b_k
     else:
         b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=DOT_PRECISION)
+    b_p = b_p.to(b_q.dtype)
+    if SCORES_T:  # P.V's A operand is [BLOCK_G, BLOCK_N]
+        b_p = tl.trans(b_p)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=DOT_PRECISION)
     return b_acc, b_m_new, b_l
 
 
@@ -268,6 +325,7 @@ def attend_segment(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr,
 ):
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
@@ -290,6 +348,7 @@ def attend_segment(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    b_q, b_qt = q_operands(b_q, b_qt, SCORES_T)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         b_acc, b_m, b_l = attend_block(
             b_acc,
@@ -330,6 +389,7 @@ def attend_segment(
             HEAD_DIM_T,
             BLOCK_DT,
             V_IN_K,
+            SCORES_T,
         )
     if PAGED:
         bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)

@@ -4,8 +4,7 @@ chunk attended from a fresh state, and the fold of two partials in a fixed order
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.attend import INTERPRETED, attend_block, bad_pages
-from lean_tp.ops.decode_attention.merge import ref_max
+from lean_tp.ops.decode_attention.attend import INTERPRETED, attend_block, bad_pages, q_operands, ref_max
 
 
 @triton.jit
@@ -109,6 +108,7 @@ def attend_chunks(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr,
     HAS_SCALES: tl.constexpr,
 ):
     """The chunks of keys [n_lo, n_hi) of a span of ``span`` keys (n_lo on the TILE_N grid; n_hi a
@@ -130,6 +130,7 @@ def attend_chunks(
     wherever the range begins."""
     g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
     c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
+    b_q, b_qt = q_operands(b_q, b_qt, SCORES_T)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         c_acc, c_m, c_l = attend_block(
             c_acc,
@@ -170,6 +171,7 @@ def attend_chunks(
             HEAD_DIM_T,
             BLOCK_DT,
             V_IN_K,
+            SCORES_T,
         )
         if ((n0 + BLOCK_N) % TILE_N == 0) | (n0 + BLOCK_N >= n_hi):  # chunk n0 // TILE_N ends here
             chunk = n0 // TILE_N

@@ -39,9 +39,9 @@ def _count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order
     t_last] known: by count at the counter of their first holder, or, when one program holds them
     all (so it makes each known, in order), where ``in_order`` says this one is the last."""
     tl.debug_barrier()  # every thread's stores of the value before the count (``merge.arrive``)
-    p_first = program_of_tile(t_first, total, n_active)
+    p_first = program_of_tile(t_first, total, n_active, 1)
     last = in_order
-    if p_first != program_of_tile(t_last, total, n_active):
+    if p_first != program_of_tile(t_last, total, n_active, 1):
         last = arrive(counter_ptr + p_first, n_members)
     return last
 
@@ -128,13 +128,13 @@ def _fold_group(
 ):
     """Value of the group of chunks [g0, g1) (linear tile indices) that several programs hold: the
     first holder's fold of its chunks, then each later chunk from its holder's slot, in order."""
-    p = program_of_tile(g0, total, n_active)
+    p = program_of_tile(g0, total, n_active, 1)
     acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, BLOCK_D, BLOCK_G)
-    for t0 in range(program_start(p + 1, total, n_active), g1, WAVE):
+    for t0 in range(program_start(p + 1, total, n_active, 1), g1, WAVE):
         for w in tl.static_range(WAVE):  # a wave of chunks, as in fold_slots
             t = t0 + w
-            holder = program_of_tile(t, total, n_active)
-            o_slot = holder * IGROUP + t - program_start(holder, total, n_active)
+            holder = program_of_tile(t, total, n_active, 1)
+            o_slot = holder * IGROUP + t - program_start(holder, total, n_active, 1)
             rows = tl.where(t < g1, n_rows, 0)
             c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, BLOCK_D, BLOCK_G)
             acc, m, l = fold_pair(acc, m, l, c_acc, c_m, c_l)
@@ -166,11 +166,11 @@ def finish_group(
     (whether this program finished the output, and its state when it did)."""
     g0 = out_start + k * IGROUP
     g1 = tl.minimum(g0 + IGROUP, out_start + n_tiles)
-    p_first = program_of_tile(g0, total, n_active)
+    p_first = program_of_tile(g0, total, n_active, 1)
     done = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
     if _count_in(
-        counter_ptr, g0, g1 - 1, program_of_tile(g1 - 1, total, n_active) - p_first + 1, total, n_active, False
+        counter_ptr, g0, g1 - 1, program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1, total, n_active, False
     ):
         g_acc, g_m, g_l = _fold_group(
             ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, BLOCK_D, BLOCK_G, IGROUP, WAVE

@@ -93,6 +93,7 @@ def attend_invariant(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr,
     WAVE: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of the output of head
@@ -153,6 +154,7 @@ def attend_invariant(
         HEAD_DIM_T,
         BLOCK_DT,
         V_IN_K,
+        SCORES_T,
         HAS_SCALES,
     )
     # The groups that began and ended in the range: their values are in their slots (the output's

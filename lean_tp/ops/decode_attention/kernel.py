@@ -17,15 +17,7 @@ from lean_tp.ops.decode_attention.attend import attend_segment, kv_scale
 from lean_tp.ops.decode_attention.invariant import attend_invariant
 from lean_tp.ops.decode_attention.merge import finish_split
 from lean_tp.ops.decode_attention.rows import load_q, row_bounds, seq_base, store_output, write_empty_sequences
-from lean_tp.ops.decode_attention.schedule import (
-    cdiv,
-    locate,
-    next_unit,
-    num_active,
-    program_start,
-    scan_batch,
-    tiled_span,
-)
+from lean_tp.ops.decode_attention.schedule import cdiv, next_unit, program_range, tiled_span
 
 # Values that change with the batch, the grid, the cache allocation or the model: specializing on
 # them (a value of 1 becomes a constant, multiples of 16 get an attribute) would compile a new
@@ -99,8 +91,10 @@ def decode_attention_fwd_kernel(
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    LANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr,
     PAGED: tl.constexpr,
@@ -109,6 +103,7 @@ def decode_attention_fwd_kernel(
     MAX_CONTRIB: tl.constexpr,
     FANIN: tl.constexpr,
     WAVE: tl.constexpr,
+    MERGE_COLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
@@ -168,14 +163,12 @@ def decode_attention_fwd_kernel(
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     NS = B * SEQ_TOKENS
-    b_cum, total, unit_max = scan_batch(seqlens_ptr, NS, HU, max_span, TILE_N, BLOCK_B)
-    n_active = num_active(total, unit_max, num_programs, num_sms, MIN_TILES, MAX_CONTRIB)
-    t0 = program_start(pid, total, n_active)
-    t1 = tl.where(pid < n_active, program_start(pid + 1, total, n_active), t0)
     # The first segment is placed by one search; each later one is the next head unit, whose
     # place, base and q are requested before the current segment's result is stored or merged.
     # b is a schedule sequence; the call's sequence (cache row, left padding) is b // SEQ_TOKENS.
-    b, hu, tile, seq_len = locate(t0, b_cum, seqlens_ptr, NS, HU, max_span, TILE_N, BLOCK_B)
+    total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
+        pid, seqlens_ptr, NS, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
+    )
     b_q, b_qt = load_q(
         q_ptr,
         b,
@@ -264,6 +257,7 @@ def decode_attention_fwd_kernel(
                 HEAD_DIM_T,
                 BLOCK_DT,
                 V_IN_K,
+                SCORES_T,
                 WAVE,
             )
         else:
@@ -304,10 +298,11 @@ def decode_attention_fwd_kernel(
                 HEAD_DIM_T,
                 BLOCK_DT,
                 V_IN_K,
+                SCORES_T,
             )
             if HAS_SCALES:
                 b_acc = b_acc * kv_scale(v_scale_ptr, h_kv, stride_vs, HAS_SCALES, E4M3_BITS)
-        nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, NS, HU, seg_end < t1)
+        nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, NS, HU, seg_end < t1, LANES)
         b_q, b_qt = load_q(
             q_ptr,
             nb,
@@ -329,13 +324,18 @@ def decode_attention_fwd_kernel(
         n_base_next = seq_base(leftpad_ptr, nb // SEQ_TOKENS, seg_end < t1, HAS_LEFTPAD)
         if not INVARIANT:
             do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
-            if not do_store:
-                do_store, b_acc, b_m, b_l = finish_split(
+            if not do_store:  # the output's last merger stores it
+                finish_split(
                     ws_acc_ptr,
                     ws_ml_ptr,
                     counter_ptr,
+                    out_ptr,
+                    lse_ptr,
+                    sinks_ptr,
                     pid,
                     slot,
+                    b,
+                    hu,
                     out_start,
                     n_tiles,
                     total,
@@ -345,10 +345,19 @@ def decode_attention_fwd_kernel(
                     b_acc,
                     b_m,
                     b_l,
+                    HKV * GROUP,
+                    GROUP,
+                    TQ,
+                    SEQ_TOKENS,
+                    HEAD_DIM,
                     BLOCK_D,
                     BLOCK_G,
+                    NUM_GC,
+                    HAS_SINKS,
                     FANIN,
                     WAVE,
+                    MERGE_COLS,
+                    LANES,
                 )
         if do_store:
             store_output(
@@ -360,6 +369,7 @@ def decode_attention_fwd_kernel(
                 b_acc,
                 b_m,
                 b_l,
+                0,
                 HKV * GROUP,
                 GROUP,
                 TQ,

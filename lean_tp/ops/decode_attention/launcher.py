@@ -107,6 +107,8 @@ def plan_decode(
     num_sms = num_sms or num_programs
     if num_sms < 1 or num_programs % num_sms:
         raise ValueError(f"num_sms: expected a divisor of num_programs={num_programs}, got {num_sms}")
+    # A program for each lane of the schedule (a GPU's grid always has; tests' tiny grids grow).
+    num_programs *= -(-kernel.lanes // num_programs)
     plan = dataclasses.replace(plan, kernel=kernel, num_programs=num_programs, num_sms=num_sms)
     check_tile_count(plan.schedule_batch, plan.head_units, layout.capacity, kernel.config.tile_n)
     return plan
@@ -265,6 +267,7 @@ def lean_schedule(
     num_sms: int | None = None,
     capacity: int | None = None,
     max_contributors: int | None = None,
+    lanes: int = 1,
 ) -> list[list[Segment]]:
     """The kernel's stream-K schedule and merge tree, computed by the kernel's own schedule code.
 
@@ -281,6 +284,8 @@ def lean_schedule(
             launch clamps it. Default: the longest length (at least 1).
         max_contributors: most programs that share one output (``DecodeConfig.max_contributors``);
             default ``MAX_CONTRIBUTORS``.
+        lanes: the schedule's lanes (``KernelVariant.constexprs["LANES"]``: a KV head's row
+            blocks, read in step), dividing head_units; 1 by default.
 
     Returns:
         One list of ``Segment`` per active program; inactive programs are omitted.
@@ -289,6 +294,10 @@ def lean_schedule(
     if capacity is None:
         capacity = max(1, int(cache_seqlens.max())) if cache_seqlens.numel() else 1
     check_tile_count(cache_seqlens.shape[0], head_units, capacity, tile_n)
+    if num_programs < lanes or head_units % lanes:
+        raise ValueError(
+            f"lanes: expected a divisor of head_units={head_units} and at most num_programs={num_programs}, got {lanes}"
+        )
     cache_seqlens = valid_keys(cache_seqlens, None, capacity)[1]
     room = max_segments or 64
     while True:
@@ -309,6 +318,7 @@ def lean_schedule(
             FANIN=MERGE_FANIN,
             BLOCK_B=SCHEDULE_BLOCK_B,
             MAX_SEGS=room,
+            LANES=lanes,
             enable_fp_fusion=FP_FUSION,
         )
         counts = nseg.tolist()

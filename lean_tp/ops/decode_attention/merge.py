@@ -6,17 +6,9 @@ group's partials, and the last group merger merges the groups'. Partials are un-
 import triton
 import triton.language as tl
 
+from lean_tp.ops.decode_attention.attend import ref_max
+from lean_tp.ops.decode_attention.rows import store_output
 from lean_tp.ops.decode_attention.schedule import merge_group_of, program_of_tile, program_start
-
-
-@triton.jit
-def ref_max(b_m, MAY_BE_EMPTY: tl.constexpr):
-    """The running max to exponentiate against: m, or 0 for rows that have seen no key (m = -inf,
-    possible only with MAY_BE_EMPTY), so that exp2(-inf - ref) = 0 instead of NaN."""
-    if MAY_BE_EMPTY:
-        return tl.where(b_m == float("-inf"), 0.0, b_m)
-    else:
-        return b_m
 
 
 @triton.jit
@@ -62,12 +54,16 @@ def _merge_partials(
     total,
     n_active,
     n_rows,
+    c0,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
     WAVE: tl.constexpr,
+    LANES: tl.constexpr,
 ):
-    """Merge the partials of programs first, first + stride, ... (n_members of them) for the output
-    that starts at tile out_start: (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]).
+    """Merge columns [c0, c0 + COLS) of the partials of programs first, first + stride, ...
+    (n_members of them) for the output that starts at tile out_start: (acc [BLOCK_G, COLS],
+    m [BLOCK_G], l [BLOCK_G]); m and l are the same for every column slice.
 
     A member's partial is in its slot 1 when the output began after its first tile, else in slot 0.
     WAVE members are loaded at once, (m, l) and acc together, so each wave waits for L2 once;
@@ -77,13 +73,13 @@ def _merge_partials(
     """
     o_w = tl.arange(0, WAVE)
     o_r = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = c0 + tl.arange(0, COLS)
     m_acc = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_acc = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_G, COLS], tl.float32)
     for i0 in range(0, n_members, WAVE):
         p = first + (i0 + o_w) * stride
-        o_slot = p * 2 + (program_start(p, total, n_active) < out_start).to(tl.int32)  # < 2**31: grid-sized
+        o_slot = p * 2 + (program_start(p, total, n_active, LANES) < out_start).to(tl.int32)  # < 2**31: grid-sized
         m_wr = ((i0 + o_w) < n_members)[:, None] & (o_r < n_rows)[None, :]
         o_ml = (o_slot * 2)[:, None] * BLOCK_G + o_r[None, :]
         b_mp = tl.load(ws_ml_ptr + o_ml, mask=m_wr, other=float("-inf"), cache_modifier=".cg")
@@ -116,12 +112,27 @@ def arrive(counter_ptr, n_members):
 
 
 @triton.jit
+def _store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Write columns [c0, c0 + COLS) of rows [0, n_rows) of a partial's acc (acc [BLOCK_G, COLS])
+    to workspace slot o_slot (``store_partial`` writes all of them, and m and l)."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = c0 + tl.arange(0, acc.shape[1])
+    p = ws_acc_ptr + (tl.cast(o_slot, tl.int64) * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :]
+    tl.store(p, acc, mask=(o_g < n_rows)[:, None])
+
+
+@triton.jit
 def finish_split(
     ws_acc_ptr,
     ws_ml_ptr,
     counter_ptr,
+    out_ptr,
+    lse_ptr,
+    sinks_ptr,
     pid,
     slot,
+    s,
+    hu,
     out_start,
     n_tiles,
     total,
@@ -131,40 +142,98 @@ def finish_split(
     b_acc,
     b_m,
     b_l,
+    HQ,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     FANIN: tl.constexpr,
     WAVE: tl.constexpr,
+    COLS: tl.constexpr,
+    LANES: tl.constexpr,
 ):
-    """Publish this program's partial of a split output and take its part in the merge tree; returns
-    (whether this program merged the output, and the merged acc, m, l).
+    """Publish this program's partial of a split output of head unit hu of schedule sequence s,
+    and take its part in the merge tree; the program that merges the output last stores it
+    (``rows.store_output``).
 
     Level 1: the last arriver of each group of FANIN consecutive contributors merges the group
     (``schedule.merge_group_of``). With one group that is the output's merge; otherwise it writes the
     group's partial over its first member's slot, and the last group merger merges the groups'
     partials (from their first members' slots). Counters: a group's at 2 * (first member) + its
     slot, an output's second level at 2 * num_programs + 2 * (first contributor) + its slot.
+
+    Each merge runs over column slices of COLS (BLOCK_D, or less for partials wider than the
+    tuning entry's merge wave): the merger's own partial is in the workspace by then, so no
+    [BLOCK_G, BLOCK_D] state is held across the merge (64-row MLA blocks: its registers would
+    spill in the K/V loop). Slice c of a group's partial is written after every member's slice c
+    was read; m and l, read by every slice, after the last.
     """
     store_partial(ws_acc_ptr, ws_ml_ptr, pid * 2 + slot, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
     tl.debug_barrier()
-    p_first = program_of_tile(out_start, total, n_active)
-    n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active) - p_first + 1
+    p_first = program_of_tile(out_start, total, n_active, LANES)
+    n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active, LANES) - p_first + 1
     g_first, g_size, n_groups = merge_group_of(pid - p_first, n_contrib, FANIN)
     first, members, stride = p_first + g_first, g_size, 1
-    o_counter = first * 2 + (program_start(first, total, n_active) < out_start).to(tl.int32)
+    o_counter = first * 2 + (program_start(first, total, n_active, LANES) < out_start).to(tl.int32)
     go = arrive(counter_ptr + o_counter, members)
-    is_last = go & (n_groups == 1)
     # One merge per level, in a loop: one copy of the merge in the code.
     while go:
-        b_acc, b_m, b_l = _merge_partials(
-            ws_acc_ptr, ws_ml_ptr, first, members, stride, out_start, total, n_active, n_rows, BLOCK_D, BLOCK_G, WAVE
-        )
+        last = (stride != 1) | (n_groups == 1)  # this merge gives the output
+        for c0 in range(0, BLOCK_D, COLS):
+            acc, b_m, b_l = _merge_partials(
+                ws_acc_ptr,
+                ws_ml_ptr,
+                first,
+                members,
+                stride,
+                out_start,
+                total,
+                n_active,
+                n_rows,
+                c0,
+                BLOCK_D,
+                BLOCK_G,
+                COLS,
+                WAVE,
+                LANES,
+            )
+            if last:
+                store_output(
+                    out_ptr,
+                    lse_ptr,
+                    sinks_ptr,
+                    s,
+                    hu,
+                    acc,
+                    b_m,
+                    b_l,
+                    c0,
+                    HQ,
+                    GROUP,
+                    TQ,
+                    SEQ_TOKENS,
+                    HEAD_DIM,
+                    COLS,
+                    BLOCK_G,
+                    NUM_GC,
+                    HAS_SINKS,
+                )
+            else:
+                _store_cols(ws_acc_ptr, o_counter, n_rows, acc, c0, BLOCK_D, BLOCK_G)
         go = (stride == 1) & (n_groups > 1)
         if go:
-            store_partial(ws_acc_ptr, ws_ml_ptr, o_counter, n_rows, b_acc, b_m, b_l, BLOCK_D, BLOCK_G)
+            tl.debug_barrier()
+            o_g = tl.arange(0, BLOCK_G)
+            o_ml = tl.cast(o_counter, tl.int64) * 2 * BLOCK_G + o_g
+            tl.store(ws_ml_ptr + o_ml, b_m, mask=o_g < n_rows)
+            tl.store(ws_ml_ptr + o_ml + BLOCK_G, b_l, mask=o_g < n_rows)
             tl.debug_barrier()
             first, members, stride = p_first, n_groups, FANIN
-            o_counter = 2 * num_programs + first * 2 + (program_start(first, total, n_active) < out_start).to(tl.int32)
+            o_counter = (
+                2 * num_programs + first * 2 + (program_start(first, total, n_active, LANES) < out_start).to(tl.int32)
+            )
             go = arrive(counter_ptr + o_counter, members)
-            is_last = go
-    return is_last, b_acc, b_m, b_l

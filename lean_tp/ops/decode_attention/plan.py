@@ -67,6 +67,16 @@ def merge_wave(rows: int, block_d: int, elems: int) -> int:
     return min(MERGE_FANIN, 1 << (fit.bit_length() - 1))
 
 
+def merge_cols(rows: int, block_d: int, wave_elems: int, slice_elems: int | None = None) -> int:
+    """Columns of a merge's slice (``merge.finish_split``): all ``block_d`` when one partial fits
+    ``wave_elems`` (the tuning entry's ``merge_wave_elems``), else as many as ``slice_elems`` fp32
+    elements hold (``merge_slice_elems``, default ``wave_elems``), at least 16."""
+    if rows * block_d <= wave_elems:
+        return block_d
+    fit = max(16, (slice_elems or wave_elems) // rows)
+    return min(block_d, 1 << (fit.bit_length() - 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelVariant:
     """One compiled kernel: the part of a plan that does not depend on batch, heads or strides.
@@ -107,7 +117,7 @@ class KernelVariant:
         """The kernel's compile-time arguments."""
         config, f = self.config, self.features
         rows = self.unit_tokens * self.group
-        block_g = block_g_for(rows, config)
+        block_g = block_g_for(rows, config, f.batch_invariant)
         head_dim_v = self.head_dim_v or self.head_dim
         block_d = padded_head_dim(head_dim_v)
         tail = self.head_dim - head_dim_v  # K's columns past V's
@@ -120,8 +130,12 @@ class KernelVariant:
             "HEAD_DIM_T": tail,
             "BLOCK_DT": padded_head_dim(tail) if tail else 0,
             "V_IN_K": f.v_in_k,
+            "SCORES_T": config.scores_t_rows is not None and block_g >= config.scores_t_rows,
             "BLOCK_G": block_g,
             "NUM_GC": math.ceil(rows / block_g),
+            # The schedule's lanes (schedule.py): a KV head's row blocks read each key together. The
+            # batch-invariant mode's folds (folds.py) address one lane.
+            "LANES": 1 if f.batch_invariant else math.ceil(rows / block_g),
             "BLOCK_N": config.block_n,
             "TILE_N": config.tile_n,
             "PAGED": paged,
@@ -130,6 +144,7 @@ class KernelVariant:
             "MAX_CONTRIB": config.max_contributors,
             "FANIN": MERGE_FANIN,
             "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
+            "MERGE_COLS": merge_cols(block_g, block_d, config.merge_wave_elems, config.merge_slice_elems),
             "BLOCK_B": SCHEDULE_BLOCK_B,
             "DOT_PRECISION": "ieee" if self.dtype == torch.float32 else "tf32",
             "HAS_LEFTPAD": f.leftpad,
@@ -148,6 +163,12 @@ class KernelVariant:
     @property
     def block_g(self) -> int:
         return self.constexprs["BLOCK_G"]
+
+    @property
+    def lanes(self) -> int:
+        """Lanes of the schedule (``LANES``, schedule.py): a KV head's row blocks, read in step; 1 in
+        the batch-invariant mode. The grid has at least one program a lane."""
+        return self.constexprs["LANES"]
 
     @property
     def row_blocks(self) -> int:

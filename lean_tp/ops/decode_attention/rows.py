@@ -57,6 +57,7 @@ def store_output(
     b_acc,
     b_m,
     b_l,
+    c0,
     HQ,
     GROUP: tl.constexpr,
     TQ: tl.constexpr,
@@ -68,10 +69,12 @@ def store_output(
     HAS_SINKS: tl.constexpr,
 ):
     """Normalize and store the rows of head unit hu of schedule sequence s into out (B, TQ, HQ,
-    HEAD_DIM) and lse (B, TQ, HQ), both contiguous. A sink joins the denominator here, once per
-    output; without sinks l == 0 (no key seen) gives out 0 and lse -inf."""
+    HEAD_DIM) and lse (B, TQ, HQ), both contiguous: b_acc [BLOCK_G, BLOCK_D] holds columns
+    [c0, c0 + BLOCK_D) of the rows (c0 > 0: a merge's later column slice, which leaves the lse to
+    the first). A sink joins the denominator here, once per output; without sinks l == 0 (no key
+    seen) gives out 0 and lse -inf."""
     b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = c0 + tl.arange(0, BLOCK_D)
     if HAS_SINKS:
         b_sink = tl.load(sinks_ptr + o_h, mask=m_g, other=0.0) * LOG2E
         b_m_new = tl.maximum(b_m, b_sink)
@@ -85,7 +88,7 @@ def store_output(
     o_row = (tl.cast(b, tl.int64) * TQ + o_t) * HQ + o_h
     m_o = m_g[:, None] & (o_d < HEAD_DIM)[None, :]
     tl.store(out_ptr + o_row[:, None] * HEAD_DIM + o_d[None, :], b_out.to(out_ptr.dtype.element_ty), mask=m_o)
-    tl.store(lse_ptr + o_row, b_lse, mask=m_g)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_g & (c0 == 0))
 
 
 @triton.jit
@@ -124,6 +127,7 @@ def write_empty_sequences(
                     b_zero,
                     b_none,
                     b_nol,
+                    0,
                     HKV * GROUP,
                     GROUP,
                     TQ,

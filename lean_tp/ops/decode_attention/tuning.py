@@ -83,6 +83,15 @@ class DecodeConfig:
     # Most programs that share one output (the schedule's cost rule): MAX_CONTRIBUTORS unless an
     # architecture needs more programs to keep an output's reads at copy bandwidth (see _B200).
     max_contributors: int = MAX_CONTRIBUTORS
+    # Row blocks of at least this many query rows compute their scores keys-major (K q^T,
+    # ``attend._qk``); None: never. See _MLA_ROWS.
+    scores_t_rows: int | None = None
+    # fp32 elements of one column slice of a merge (``merge.finish_split``) when a partial is wider
+    # than merge_wave_elems; None: merge_wave_elems. See _MLA_ROWS.
+    merge_slice_elems: int | None = None
+    # max_block_g of the batch-invariant variant when not max_block_g: its K/V loop holds two
+    # states (a chunk's and a group's), which at 64 rows spill. See _MLA_ROWS.
+    invariant_max_block_g: int | None = None
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
@@ -97,8 +106,8 @@ class DecodeConfig:
         return options | ({"maxnreg": cap} if capped else {})
 
     def __post_init__(self) -> None:
-        for name in ("tile_n", "block_n", "max_block_g"):
-            value = getattr(self, name)
+        for name in ("tile_n", "block_n", "max_block_g", "invariant_max_block_g"):
+            value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
         if self.tile_n % self.block_n:
@@ -220,16 +229,27 @@ _WARPS_INVARIANT = "; invariant variant 4 warps, 255 registers: 2 programs/SM, n
 # warps; 2176 when V is a tensor of its own). 64-key tiles hold 72 KB of latent rows, the bytes of
 # a D=128 fp16 tile of 128 keys (see _PAPER_D128).
 _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-key tile"
-# q's 16 x 576 row block is every warp's dot operand (144 registers a thread: a warp computes a
-# slice of keys against all of q) and the accumulator is 16 x 512 fp32. At 4 warps that takes 255
-# registers and spills in the K/V loop (sm_90 paged16: 24 local accesses per iteration); at 8, 172-
-# 219 registers and no spill, 1 program/SM with 2 K/V buffers of 36 KB, 4x what Little's law asks
-# of an SM. 32-row blocks (group 128, Tq 4 x 16) spill in the loop on sm_90 (8-9 per iteration)
-# even at 8 warps, so larger groups take more row blocks (group 128: 8, each reading the latent
-# rows; concurrent programs read the same tiles, see docs/mla.md).
+# At 8 warps 16-row blocks (q 16 x 576, every warp's dot operand) take 172-219 registers and no
+# K/V-loop spill: 1 program/SM with 2 K/V buffers of 36 KB, 4x what Little's law asks of an SM.
+# A row block reads every latent row, so 128 heads (DP attention) in 16-row blocks read each row
+# 8 times. On sm_90 64-row blocks read it twice: with the scores computed keys-major (K q^T,
+# ``attend._qk``: a 32-key block's scores are one mma.sync product no warp group repeats, and the
+# P.V product is a wgmma split over the two warp groups; q^T is copied to shared memory once a
+# segment) and the merge's partials read in column slices of 4096 fp32 (64 columns: the merger
+# holds no 64 x 512 state, whose registers otherwise spill in the K/V loop), 64-row blocks take
+# 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
+# 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
+# 128 heads and Tq 4 reload 4-6 loop-invariant words an iteration; kernel report). The batch-invariant variant keeps 16-row blocks: its
+# loop holds two states, two 64 x 512 fp32 accumulators at 64 rows. sm_80 keeps 16-row blocks:
+# 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16- and
+# 32-key blocks, 3-5 stages tried).
 _MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
+_MLA_ROWS64 = (
+    "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merge slices of 4096): no K/V-loop spill at "
+    "16 bits, 1 program/SM; invariant variant 16-row blocks (kernel report)"
+)
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
-_MLA_FP8 = "MLA 576/512 fp8: 128-key tiles = 72 KB, twice the 16-bit entry's keys"
+_MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
 
 TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
@@ -537,14 +557,17 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm90", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
-        max_block_g=16,
+        max_block_g=64,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         paged_stages=5,
         head_dim_v=512,
-        reason=_MLA + _MLA_ROWS + _STAGES + _AHEAD,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
+        reason=_MLA + _MLA_ROWS64 + _STAGES + _AHEAD,
     ),
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
@@ -559,37 +582,46 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         reason=_MLA + _MLA_ROWS + _MLA_FP8_SM80 + _AHEAD,
     ),
     ("sm90", 576, 1): DecodeConfig(
-        tile_n=128,
-        block_n=64,
-        max_block_g=16,
+        tile_n=64,
+        block_n=32,
+        max_block_g=64,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         paged_stages=5,
         head_dim_v=512,
-        reason=_MLA_FP8 + _MLA_ROWS + _FP8_BLOCKS + _AHEAD,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
+        reason=_MLA_FP8 + _MLA_ROWS64 + _AHEAD,
     ),
     ("interp", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
-        max_block_g=16,
+        max_block_g=64,
         num_warps=4,
         num_stages=1,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         head_dim_v=512,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
         reason="interpreter: mirrors the sm90 MLA entry, untimed",
     ),
     ("interp", 576, 1): DecodeConfig(
-        tile_n=128,
-        block_n=64,
-        max_block_g=16,
+        tile_n=64,
+        block_n=32,
+        max_block_g=64,
         num_warps=4,
         num_stages=1,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         head_dim_v=512,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
         reason="interpreter: mirrors the sm90 MLA fp8 entry, untimed",
     ),
 }
@@ -651,6 +683,25 @@ TUNING_TABLE |= {
     # sm_100's own entry where it has one, else the one it takes (archs.ARCHS: sm_90's)
     for entry in (TUNING_TABLE.get(("sm100", d, elem)) or TUNING_TABLE[(ARCHS["sm100"].tuning, d, elem)],)
 }
+
+
+# sm_100 takes sm_90's MLA entries but for fp8: 32-key blocks buffer 1x Little's law there (36 KB
+# against 6.9 TB/s x 0.8 us / 148 SMs = 36 KB), and the all-features 64-row block (Tq 4, e4m3)
+# spills 6 times an iteration; 16-row blocks of 64 keys buffer 2x, no loop spill (kernel report).
+TUNING_TABLE[("sm100", 576, 1)] = dataclasses.replace(
+    TUNING_TABLE[("sm90", 576, 1)],
+    tile_n=128,
+    block_n=64,
+    max_block_g=16,
+    scores_t_rows=None,
+    merge_slice_elems=None,
+    invariant_max_block_g=None,
+    reason="MLA 576/512 fp8: 128-key tiles = 72 KB"
+    + _MLA_ROWS
+    + _FP8_BLOCKS
+    + _AHEAD
+    + "; sm_100: 16-row blocks of 64 keys (32-key blocks buffer 1x Little's law; kernel report)",
+)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -739,11 +790,12 @@ def config_for(
     return entry
 
 
-def block_g_for(rows: int, config: DecodeConfig) -> int:
+def block_g_for(rows: int, config: DecodeConfig, invariant: bool = False) -> int:
     """Query rows computed together: a KV head's Tq x group rows padded to a power of two >= 16 for
-    ``tl.dot``, at most ``max_block_g`` (more rows take more row blocks)."""
+    ``tl.dot``, at most ``max_block_g`` (``invariant``: the batch-invariant variant's, when the entry
+    sets one; more rows take more row blocks)."""
     padded = max(16, 1 << (rows - 1).bit_length())
-    return min(padded, config.max_block_g)
+    return min(padded, (invariant and config.invariant_max_block_g) or config.max_block_g)
 
 
 def _pair_config(

@@ -10,7 +10,6 @@ from lean_tp.ops.decode_attention.tuning import DecodeConfig
 from lean_tp.tools.kernel_report.report import (
     arch_jobs,
     arch_markdown,
-    report_group,
     report_jobs,
     run_report,
     sample_jobs,
@@ -67,10 +66,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))
     else:
-        print(
-            to_markdown(
-                [r for r in rows if r.group == report_group(r.head_dim) and not r.leftpad and r.dtype != "bf16"]
-            ),
-            end="",
-        )
+        print(to_markdown([r for r in rows if not r.leftpad and r.dtype != "bf16"]), end="")
     return 0

@@ -42,6 +42,8 @@ REPORT_ARCHS = ("sm80", "sm90")
 OTHER_ARCHS = tuple(key for key in ARCHS if key not in REPORT_ARCHS)
 REPORT_GROUP = 4  # Llama-3-8B and -70B's GQA group
 MLA_GROUP = 16  # DeepSeek-V3's 128 query heads per latent head over TP 8
+# MLA's ranks: DeepSeek-V3 at TP 8 (16 heads), Kimi-K2 under DP attention (64), DeepSeek-V3 (128).
+MLA_GROUPS = (MLA_GROUP, 64, 128)
 # The serving features compiled for MLA's entries (one latent head: fp8 and MTP drafts matter).
 MLA_FEATURES = ("fp8_e4m3", "fp8_e5m2", "tq4", "invariant", "tq4_invariant", "all")
 E4M3 = torch.float8_e4m3fn
@@ -97,6 +99,8 @@ class KernelStats:
     page_id_loads: int = 0  # block-table loads per thread in one K/V-loop iteration (paged only)
     page_ids_read_same_iter: int = 0  # of them, read in the iteration that issues them
     kv_copy_bytes: int = 0  # K/V bytes one thread copies per K/V-loop iteration (``sass.kv_copy_bytes``)
+    block_g: int = 0  # query rows of a row block (``BLOCK_G``)
+    row_blocks: int = 0  # row blocks of a KV head (``NUM_GC``): reads of each key's row per query token
 
     @property
     def head_dim_v(self) -> int:
@@ -198,6 +202,8 @@ def compile_stats(
         *merge_loop_of_sass(sass),
         *page_id_timing(sass),
         kv_copy_bytes(sass),
+        variant.block_g,
+        variant.row_blocks,
     )
 
 
@@ -231,9 +237,14 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
         # other architectures' entries by ``arch_jobs``.
         if arch not in REPORT_ARCHS or size == 1 or not _valid(config, overrides):
             continue
-        if config.head_dim_v is not None:  # MLA: its group, the features it serves, group 128 (TP 1)
+        if config.head_dim_v is not None:  # MLA: its group, the features it serves, its other ranks' groups
             jobs += [(arch, head_dim, "fp16", layout, MLA_GROUP, False, overrides, "") for layout in LAYOUTS]
             jobs += [(arch, head_dim, "fp16", "paged16", MLA_GROUP, False, overrides, f) for f in MLA_FEATURES]
+            jobs += [
+                (arch, head_dim, "fp16", "paged16", g, False, overrides, f)
+                for g in MLA_GROUPS[1:]
+                for f in ("", "fp8_e4m3")
+            ]
             if variants:
                 jobs.append((arch, head_dim, "bf16", "paged64", 128, False, overrides, ""))
             continue
@@ -297,6 +308,8 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
         # the contiguous and paged16 layouts and their e4m3 rows, the rest is the full report's.
         if paired_head_dim_v(job[1]) and (job[3] == "paged64" or job[7] not in ("", "fp8_e4m3") or job[2] == "bf16"):
             continue
+        if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[0], job[7]) != (128, "sm90", ""):
+            continue  # of the other ranks' groups, sm_90's 128 at 16 bits (two 64-row blocks)
         if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
                 entry, layout = divmod(fp32_seen, len(LAYOUTS))
@@ -383,7 +396,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
         _COLUMNS,
         "|---" * _COLUMNS.count(" | ") + "|---|",
     ]
-    for r in (r for r in rows if not r.features):
+    for r in (r for r in rows if not r.features and r.group == report_group(r.head_dim)):
         lines.append(_row(r, r.dtype))
     lines += [
         "",
@@ -394,10 +407,29 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "| BLOCK_N | SASS/iter | issue share | page ids read in own iteration |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in (r for r in rows if r.features):
+    for r in (r for r in rows if r.features and r.group == report_group(r.head_dim)):
         lines.append(
             f"| {r.arch} | {_dims(r)} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} "
             f"| {r.bytes_per_key:.0f} | {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
+        )
+    mla = sorted(
+        (r for r in rows if r.head_dim_v != r.head_dim and r.features in ("", "fp8_e4m3") and r.layout == "paged16"),
+        key=lambda r: (r.arch, r.features, r.group),
+    )
+    lines += [
+        "",
+        "MLA's row blocks, paged16, one query token: a KV head's rows (its group) in row blocks, each reading "
+        "every latent row (reads a latent row = row blocks):",
+        "",
+        "| arch | group | cache | rows a block | reads a latent row | regs | spill B | loop spills | smem KB "
+        "| K/V B per key | BLOCK_N | SASS/iter | SASS a key and head | issue share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in mla:
+        lines.append(
+            f"| {r.arch} | {r.group} | {'e4m3' if r.features else r.dtype} | {r.block_g} | {r.row_blocks} | {r.regs} "
+            f"| {r.spill_bytes} | {r.loop_spills} | {r.shared_bytes / 1024:.1f} | {r.bytes_per_key:.0f} | {r.block_n} "
+            f"| {r.sass_per_iter} | {r.sass_per_iter * r.row_blocks / (r.block_n * r.group):.2f} | {r.issue_share:.2f} |"
         )
     return "\n".join(lines) + "\n"

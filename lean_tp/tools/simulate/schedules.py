@@ -166,10 +166,13 @@ def partial_bytes(problem: Problem, elem: int) -> int:
     return (problem.head_dim_v or problem.head_dim) * elem + 4
 
 
-def _merge_level_us(members: int, wave: int, partial_bytes: int, gpu: GPUModel, counted: bool = True) -> float:
+def _merge_level_us(
+    members: int, wave: int, partial_bytes: int, gpu: GPUModel, counted: bool = True, slices: int = 1
+) -> float:
     """One level of the tree: the arrival atomic (when ``counted``), one L2 round trip per wave of
-    partial loads, and the partials through the merger's L2 port."""
-    trips = int(counted) + math.ceil(members / wave)
+    partial loads in each of ``slices`` column slices (``merge.finish_split``), and the partials
+    through the merger's L2 port."""
+    trips = int(counted) + slices * math.ceil(members / wave)
     return gpu.l2_latency_us * trips + members * partial_bytes / (gpu.l2_port_gbps * 1e3)
 
 
@@ -196,6 +199,7 @@ def lean_sim_schedule(
         gpu.sms * per_sm,
         num_sms=gpu.sms,
         max_contributors=max_contributors or config.max_contributors,
+        lanes=cx["LANES"],
     )
     sms = gpu.sms
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
@@ -234,7 +238,8 @@ def lean_sim_schedule(
     if batch_invariant:
         end, chain = _invariant_merges(programs, seg_end, kv_end, partial, cx["WAVE"], gpu)
     else:
-        end, chain = _tree_merges(plan, seg_end, kv_end, partial, cx["WAVE"], gpu)
+        slices = cx["BLOCK_D"] // cx["MERGE_COLS"]
+        end, chain = _tree_merges(plan, seg_end, kv_end, partial, cx["WAVE"], gpu, slices)
     return Schedule(
         "lean",
         sms,
@@ -265,15 +270,18 @@ def _lean_reads(problem: Problem, variant: KernelVariant, programs, seg_bytes, c
     return reads
 
 
-def _tree_merges(plan: dict, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel) -> tuple[float, int]:
+def _tree_merges(
+    plan: dict, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel, slices: int = 1
+) -> tuple[float, int]:
     """(end, longest chain of partials) of the default mode's merge tree (``merge_plan``): each
-    group once its members' segments end, then the output's second level."""
+    group once its members' segments end, then the output's second level; each merge in
+    ``slices`` column slices."""
     end, chain = kv_end, 0
     for groups in plan.values():
-        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), wave, partial, gpu) for g in groups]
+        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), wave, partial, gpu, slices=slices) for g in groups]
         finish = max(done)
         if len(groups) > 1:
-            finish += gpu.l2_latency_us + _merge_level_us(len(groups), wave, partial, gpu)
+            finish += gpu.l2_latency_us + _merge_level_us(len(groups), wave, partial, gpu, slices=slices)
         end = max(end, finish)
         chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
     return end, chain
