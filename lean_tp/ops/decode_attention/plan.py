@@ -118,6 +118,7 @@ class KernelVariant:
         config, f = self.config, self.features
         rows = self.unit_tokens * self.group
         block_g = block_g_for(rows, config, f.batch_invariant)
+        row_blocks = math.ceil(rows / block_g)
         head_dim_v = self.head_dim_v or self.head_dim
         block_d = padded_head_dim(head_dim_v)
         tail = self.head_dim - head_dim_v  # K's columns past V's
@@ -132,10 +133,10 @@ class KernelVariant:
             "V_IN_K": f.v_in_k,
             "SCORES_T": config.scores_t_rows is not None and block_g >= config.scores_t_rows,
             "BLOCK_G": block_g,
-            "NUM_GC": math.ceil(rows / block_g),
+            "NUM_GC": row_blocks,
             # The schedule's lanes (schedule.py): a KV head's row blocks read each key together. The
             # batch-invariant mode's folds (folds.py) address one lane.
-            "LANES": 1 if f.batch_invariant else math.ceil(rows / block_g),
+            "LANES": 1 if f.batch_invariant else row_blocks,
             "BLOCK_N": config.block_n,
             "TILE_N": config.tile_n,
             "PAGED": paged,
