@@ -117,3 +117,13 @@ def test_a_contributor_cap_below_two_is_refused():
     assert entry.max_contributors == B200_CONTRIBUTORS
     with pytest.raises(ValueError, match=r"DecodeConfig.max_contributors: expected an int >= 2, got 1"):
         dataclasses.replace(entry, max_contributors=1)
+
+
+@pytest.mark.parametrize("field", ["scores_t_rows", "merge_slice_elems", "invariant_max_block_g"])
+def test_row_block_fields_are_refused_unless_powers_of_two(field):
+    """The 64-row MLA fields (a row count, a slice's fp32 elements, a row cap) are powers of two of
+    at least 16, or None; anything else is refused when the entry is made, naming the field."""
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    assert getattr(entry, field) is not None
+    with pytest.raises(ValueError, match=rf"DecodeConfig.{field}: expected a power of two >= 16, got 48"):
+        dataclasses.replace(entry, **{field: 48})

@@ -106,7 +106,7 @@ class DecodeConfig:
         return options | ({"maxnreg": cap} if capped else {})
 
     def __post_init__(self) -> None:
-        for name in ("tile_n", "block_n", "max_block_g", "invariant_max_block_g"):
+        for name in ("tile_n", "block_n", "max_block_g", "invariant_max_block_g", "scores_t_rows", "merge_slice_elems"):
             value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
