@@ -289,6 +289,8 @@ def bench_shape(
         return row
     ref = PEERS["lean"].prepare(sets[0])().float()
     for name in peers:
+        if PEERS[name].only and PEERS[name].only not in shape.features:
+            continue
         why = PEERS[name].unavailable(device)
         lacking = shape.features - PEERS[name].features
         if lacking:

@@ -12,6 +12,7 @@ reports why and is skipped, never failing the run.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from flash_decoding import flash_decoding
 
 import lean_tp
+from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
+from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.tools.simulate import triton_mla_split_count
 
 Inputs = dict[str, torch.Tensor]
@@ -36,6 +39,7 @@ class Peer:
     features: frozenset[str] = (
         frozenset()
     )  # of "fp8", "window", "paged", "mla" (``Shape.features``): wired up here for this peer
+    only: str | None = None  # a feature the shape must have for this peer to run (an ablation's)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -49,6 +53,17 @@ class Peer:
 def _lean(s: Inputs):
     backend = "auto" if s["q"].is_cuda else "triton"  # the dry run interprets the kernel, like flash-decoding's
     return lambda: lean_tp.decode_attention(**s, backend=backend)
+
+
+def _lean_rows16(s: Inputs):
+    """lean with MLA row blocks of 16 query rows (sm_80's; sm_90 takes 64): each block reads every
+    latent row, so 128 heads read each row 8 times instead of 2, and a split output's partial is a
+    quarter as wide. The ablation that tells the two row blocks apart on a GPU."""
+    q, k = s["q"], s["k_cache"]
+    entry = get_config(q.device, k.shape[-1], q.dtype, k.dtype, s["v_cache"].shape[-1])
+    config = dataclasses.replace(entry, max_block_g=16, scores_t_rows=None, merge_slice_elems=None)
+    call = dict(s, softmax_scale=k.shape[-1] ** -0.5, block_table=s.get("block_table"), config=config)
+    return lambda: decode_attention_fwd(**call)[0]
 
 
 def _flash_decoding(s: Inputs):
@@ -230,6 +245,7 @@ PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
         Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla"})),
+        Peer("lean-rows16", _lean_rows16, triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla"),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),

@@ -55,6 +55,7 @@ DECODE_TP_VARIANTS = {
     "compiled sdpa": ["--compile", "--attention", "sdpa"],
 }
 GROUPS = ("tests", "bench", "sanitizer", "loops")  # in order of value: a short budget runs the first
+TEST_WORKERS = 8  # pytest-xdist workers of the CUDA tests, where it is installed
 MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
 # module name -> distribution name, for the versions reported in the record
 PACKAGES = {
@@ -102,6 +103,8 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
                     "-o",
                     "addopts=-ra",
                     f"--junitxml={out}/gpu.xml",
+                    # The cases are bound by Triton's compiles on the host's cores, not by the GPU.
+                    *(["-n", str(TEST_WORKERS)] if importlib.util.find_spec("xdist") else []),
                 ],
                 300,
             )
