@@ -4,6 +4,7 @@ architecture has a tuning entry for every head dim and dtype the kernel takes. W
 compiles to on each architecture is in tests/test_kernel_report.py."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -49,6 +50,17 @@ def test_devices_before_ampere_are_refused_by_name(capability, name, monkeypatch
         ValueError, match=rf"device: expected .* 8\.0 or later .* got {name} of {capability[0]}\.{capability[1]}"
     ):
         tuning.arch_of(torch.device("cuda", 0))
+
+
+def test_a_compiled_caller_reads_the_architecture_as_a_constant(monkeypatch):
+    """transformers' attention asks whether the kernel takes a call (``kernel_support``) inside the
+    model torch.compile traces, and the device queries behind ``arch_of`` return a str, which
+    Dynamo cannot put in a graph; a torch function returning a str stands in for the device name."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: torch.backends.cpu.get_cpu_capability())
+    monkeypatch.setattr(tuning, "_arch_of_index", functools.cache(tuning._arch_of_index.__wrapped__))
+    step = torch.compile(lambda x: x * len(tuning.arch_of(torch.device("cuda", 0))), fullgraph=True, backend="eager")
+    assert step(torch.ones(1)).item() == len("sm90")
 
 
 def test_limits_are_the_programming_guides():

@@ -714,11 +714,19 @@ def arch_of(device: torch.device) -> str:
     a device the kernel cannot run on."""
     if device.type != "cuda":
         return "interp"
-    return _cuda_arch(cuda_index(device))
+    return _cuda_arch(device)
+
+
+@torch.compiler.assume_constant_result
+def _cuda_arch(device: torch.device) -> str:
+    """``arch_of`` a CUDA device, a constant to torch.compile: the device queries return a str and
+    a tuple, which a traced caller (a transformers model's attention, checking the kernel takes
+    its call) cannot put in its graph."""
+    return _arch_of_index(cuda_index(device))
 
 
 @functools.cache
-def _cuda_arch(index: int) -> str:
+def _arch_of_index(index: int) -> str:
     """``arch_of`` of CUDA device ``index``, once per device: every call plans with it."""
     major, minor = torch.cuda.get_device_capability(index)
     return arch_for_capability(major, minor, torch.cuda.get_device_name(index)).key
