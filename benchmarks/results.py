@@ -64,8 +64,10 @@ def file_name(record: dict) -> str:
 
 
 def load_all(directory: str = RESULTS_DIR) -> list[dict]:
-    """Every committed record, oldest first."""
-    return [validate(json.load(open(p))) for p in sorted(glob.glob(os.path.join(directory, "*.json")))]
+    """Every committed record, oldest first (a later run of the same day and device is committed
+    as ``<date>-<device slug>-2.json``, then ``-3``)."""
+    paths = sorted(glob.glob(os.path.join(directory, "*.json")), key=lambda p: os.path.basename(p)[: -len(".json")])
+    return [validate(json.load(open(p))) for p in paths]
 
 
 def table(record: dict) -> str:

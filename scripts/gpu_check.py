@@ -55,7 +55,8 @@ DECODE_TP_VARIANTS = {
     "compiled sdpa": ["--compile", "--attention", "sdpa"],
 }
 GROUPS = ("tests", "bench", "sanitizer", "loops")  # in order of value: a short budget runs the first
-TEST_WORKERS = 8  # pytest-xdist workers of the CUDA tests, where it is installed
+TEST_WORKERS = 4  # pytest-xdist workers of the CUDA tests, where it is installed
+TEST_TIMEOUT = 120  # seconds a CUDA test case may take, where pytest-timeout is installed
 MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
 # module name -> distribution name, for the versions reported in the record
 PACKAGES = {
@@ -103,8 +104,11 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
                     "-o",
                     "addopts=-ra",
                     f"--junitxml={out}/gpu.xml",
-                    # The cases are bound by Triton's compiles on the host's cores, not by the GPU.
+                    "--durations=20",
+                    # The cases are bound by Triton's compiles and float64 references on the host's
+                    # cores, not by the GPU; a case that hangs is named by its timeout, not by the step's.
                     *(["-n", str(TEST_WORKERS)] if importlib.util.find_spec("xdist") else []),
+                    *(["--timeout", str(TEST_TIMEOUT)] if importlib.util.find_spec("pytest_timeout") else []),
                 ],
                 300,
             )
