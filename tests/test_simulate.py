@@ -538,3 +538,21 @@ def test_deterministic_sweep_rejects_flags_it_does_not_use(argv, flag, capsys):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and f"argument {flag}: expected" in err[0]
+
+
+def test_lean_mla_model_against_the_h200_record():
+    """Where MLA's K/V loop bounds lean (B=32: every SM busy), the model with the loop times of
+    ``gpus.LOOP_US`` gives the H200 record's times within 0.9-1.2x; these are 1.8x (16 heads,
+    16 bits, 32k) to 16x (128 heads, e4m3, 4k) the time of their bytes at the copy bandwidth."""
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).parents[1] / "docs/results/2026-11-26-nvidia-h200-2.json").read_text())
+    measured = {r["x"]: r["time_us"] for r in record["rows"] if r["sweep"] == "mla" and r["impl"] == "lean"}
+    for label, heads, context, elem in (
+        ("16 heads 16-bit B=32 32k", 16, 32768, 2),
+        ("128 heads fp8 B=32 4k", 128, 4096, 1),
+    ):
+        problem = Problem((context,) * 32, heads, 1, 576, elem_size=elem, head_dim_v=512)
+        modelled = lean_sim_schedule(problem, GPUS["H200"]).time_us
+        assert 0.9 <= measured[label] / modelled <= 1.2, (label, measured[label], modelled)
+        assert measured[label] > 1.5 * 32 * context * 576 * elem / GPUS["H200"].hbm_tbps / 1e6

@@ -39,10 +39,35 @@ GPUS = {
     for g in (
         GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0, 40.0, 5.4),
         GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0, 50.0, 6.9),
+        GPUModel("H200", PARTS["H200"].sms, PARTS["H200"].arch, 1.755, 4.24, 0.7, 260, 64, 1.0, 50.0, 6.9),
         GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0, 126.5, 8.7),
         GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0, 96.0, 10.7),
     )
 }
+# Measured time of one K/V-loop iteration (one block_n-key block, one program an SM) of a kernel
+# entry, keyed (arch, head_dim, cache bytes an element, BLOCK_G, block_n): a floor on how fast a
+# program streams, however many bytes it has in flight. MLA's loop is bound by it, not by memory:
+# its two dots, the softmax between them and their barriers run in series, one program an SM (the
+# loop issues in about a quarter of these times: kernel report). Measured on an H200 (torch 2.11,
+# triton 3.6; docs/results/2026-11-26-nvidia-h200-2.json): DeepSeek-V3, B=32, 32k keys, paged64,
+# the time over the iterations an SM runs (16 heads at 16 rows, 128 heads at 64 rows and, by the
+# benchmark's lean-rows16, at 16). With them the model gives the record's B=32 MLA rows within
+# 0.97-1.17x; at B=1 it stays 1.3-2.7x too fast (the merge and a call's fixed costs, not
+# calibrated). The H100 shares the H200's SM and clocks, so the same times model it; other parts
+# and entries (sm_80, sm_100, 32-row blocks) are not measured and keep the memory-bound model.
+LOOP_US = {
+    ("sm90", 576, 2, 16, 32): 2.10,  # 2.07 (16 heads), 2.13 (128 heads in 16-row blocks)
+    ("sm90", 576, 2, 64, 32): 2.84,
+    ("sm90", 576, 1, 16, 32): 3.00,  # e4m3: 3.01 and 2.98
+    ("sm90", 576, 1, 64, 32): 3.94,
+}
+
+
+def loop_us(gpu: GPUModel, head_dim: int, elem_bytes: int, block_g: int, block_n: int) -> float | None:
+    """``LOOP_US`` of a kernel entry on ``gpu``, or None where it is not measured."""
+    return LOOP_US.get((gpu.arch, head_dim, elem_bytes, block_g, block_n))
+
+
 # The GPUs a sweep models unless --gpu names others: the ones its published tables were made on.
 DEFAULT_GPUS = ("A100", "H100")
 MODEL_SOURCES = {
@@ -52,13 +77,16 @@ MODEL_SOURCES = {
     "clock_ghz": "Chips and Cheese, 'Nvidia's H100: Funny L2, and Tons of Bandwidth' (2023): 1755 MHz H100 boost, "
     "A100 held at 1410 MHz under load; B200 1965 MHz and L40S 2520 MHz boost (NVIDIA specifications), assumed "
     "held under load (Chips and Cheese 2025 finds B200's clocks like H100 SXM5's)",
-    "hbm_tbps": "H100: ~3.0 TB/s device-to-device copy as measured on an H100 SXM; "
+    "hbm_tbps": "H100: ~3.0 TB/s device-to-device copy as measured on an H100 SXM; H200: 4.24 TB/s, the copy "
+    "bandwidth benchmarks/bench_decode.py measured (docs/results/2026-11-26-nvidia-h200-2.json); "
     "A100: ~1.5 TB/s as measured on A100-SXM4 parts (peak 1.55-2.0 TB/s); "
     "B200 and L40S: 0.9 of their peaks, H100's measured copy share (3.0 of 3.35 TB/s), unmeasured here: "
     "B200 7.67 TB/s (7680-bit bus at 3996 MHz, pytorch/ao #4002; decode kernels reach 5.3-5.8 TB/s, "
     "flash-attention #2104 and FlashInfer #1415), L40S 864 GB/s (datasheet)",
     "hbm_latency_us": "loaded latency for Little's law, 0.6-0.8 us as measured on an H100 SXM; A100 assumed 0.6 us; "
-    "B200 assumed 0.8 us (HBM3e behind two dies), L40S 0.6 us (GDDR6): unmeasured",
+    "B200 assumed 0.8 us (HBM3e behind two dies), L40S 0.6 us (GDDR6): unmeasured; H200 assumed H100's. "
+    "The H200's SMs, clocks and L2 are the H100's GH100 die's (its clock, L2 latency, port, size and read "
+    "bandwidth are H100's here, unmeasured)",
     "l2_latency_cycles": "L2 hit ~260 cycles on H100 (Chips and Cheese 2023); ~200 cycles on A100 "
     "(Chips and Cheese 2023, Jia et al., 'Dissecting the Ampere GPU architecture', GTC 2021); B200 ~150 ns "
     "(Chips and Cheese 2025) at 1965 MHz; L40: 279 cycles on average over its SMs, 222-339 by SM "
@@ -87,6 +115,7 @@ class Link:
 LINKS = {
     "A100": (Link("NVLink 3", 300.0, 10.0), Link("HDR InfiniBand", 25.0, 20.0)),
     "H100": (Link("NVLink 4", 450.0, 10.0), Link("NDR InfiniBand", 50.0, 20.0)),
+    "H200": (Link("NVLink 4", 450.0, 10.0), Link("NDR InfiniBand", 50.0, 20.0)),  # HGX H200: H100's links
     "B200": (Link("NVLink 5", 900.0, 10.0), Link("ConnectX-7 400G", 50.0, 20.0)),
     "L40S": (Link("PCIe 4.0 x16", 32.0, 15.0), Link("ConnectX-7 400G, 2 GPUs a port", 25.0, 20.0)),
 }

@@ -86,6 +86,7 @@ PARTS: dict[str, Part] = {
         Part("L40S", "sm89", 142),  # L40S datasheet
         Part("L4", "sm89", 58),  # L4 datasheet
         Part("H100", "sm90", 132),  # H100 whitepaper (SXM5)
+        Part("H200", "sm90", 132),  # the driver's count on the H200 of docs/results (GH100, as H100 SXM5)
         Part("B200", "sm100", 148),  # Blackwell datasheets: 148 SMs
         Part("RTX 5090", "sm120", 170),  # GeForce RTX 5090 specifications
     )

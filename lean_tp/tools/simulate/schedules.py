@@ -31,7 +31,7 @@ from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
-from lean_tp.tools.gpus import GPUModel
+from lean_tp.tools.gpus import GPUModel, loop_us
 from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share
 from lean_tp.tools.simulate.problems import Problem
 
@@ -125,16 +125,24 @@ def schedule_lens(problem: Problem, variant: KernelVariant) -> list[int]:
 
 
 def _stream_rates(
-    n_on_sm: list[int], problem: Problem, gpu: GPUModel, programs_per_sm: int, from_hbm: float = 1.0
+    n_on_sm: list[int],
+    problem: Problem,
+    gpu: GPUModel,
+    programs_per_sm: int,
+    from_hbm: float = 1.0,
+    loop: float | None = None,
 ) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing in
     proportion what the device streams: the copy bandwidth over the share ``from_hbm`` of bytes
     that come from HBM (``l2.hbm_share``), at most the L2's read bandwidth. Every method gets
-    this model."""
+    this model; ``loop`` (µs an iteration of block_n keys, ``gpus.LOOP_US``) caps each program
+    at a block an iteration where the kernel's loop is measured to be slower than its bytes."""
     config = lean_variant(problem, gpu).config
-    in_flight = max(1, config.num_stages - 1) * config.block_n * problem.bytes_per_token
-    want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * in_flight / gpu.hbm_latency_us) for n in n_on_sm]
+    block = config.block_n * problem.bytes_per_token
+    in_flight = max(1, config.num_stages - 1) * block
+    per_program = min(in_flight / gpu.hbm_latency_us, block / loop if loop else float("inf"))
+    want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * per_program) for n in n_on_sm]
     device = min(gpu.l2_read_tbps, gpu.hbm_tbps / from_hbm) * 1e6
     share = min(1.0, device / max(sum(want), 1e-9))
     return [w * share for w in want]
@@ -210,8 +218,10 @@ def lean_sim_schedule(
         for segments in programs
     ]
 
+    loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], config.block_n)
+
     def clocks_at(from_hbm: float) -> list:
-        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm)
+        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop)
         return [
             _shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0)
             for sm in range(sms)
