@@ -55,15 +55,27 @@ def _lean(s: Inputs):
     return lambda: lean_tp.decode_attention(**s, backend=backend)
 
 
-def _lean_rows16(s: Inputs):
-    """lean with MLA row blocks of 16 query rows (sm_80's; sm_90 takes 64): each block reads every
-    latent row, so 128 heads read each row 8 times instead of 2, and a split output's partial is a
-    quarter as wide. The ablation that tells the two row blocks apart on a GPU."""
-    q, k = s["q"], s["k_cache"]
-    entry = get_config(q.device, k.shape[-1], q.dtype, k.dtype, s["v_cache"].shape[-1])
-    config = dataclasses.replace(entry, max_block_g=16, scores_t_rows=None, merge_slice_elems=None)
-    call = dict(s, softmax_scale=k.shape[-1] ** -0.5, block_table=s.get("block_table"), config=config)
-    return lambda: decode_attention_fwd(**call)[0]
+# MLA ablations: lean with its sm_90 entry changed, to tell the choices apart on a GPU. 16-row
+# blocks (sm_80's) read each latent row once a 16-row block (128 heads: 8 times, not 2); 64-key
+# blocks at 16 rows (254 registers, no spill, 169 KB of shared memory: kernel report) halve the
+# iterations of a loop bound by its iteration time (BENCHMARKS.md, "MLA decode").
+MLA_ABLATIONS = {
+    "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
+    "lean-rows16-keys64": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None, block_n=64),
+}
+
+
+def _lean_with(overrides: dict):
+    """A peer running lean with its tuning entry's ``overrides`` (``MLA_ABLATIONS``)."""
+
+    def prepare(s: Inputs):
+        q, k = s["q"], s["k_cache"]
+        entry = get_config(q.device, k.shape[-1], q.dtype, k.dtype, s["v_cache"].shape[-1])
+        config = dataclasses.replace(entry, **overrides)
+        call = dict(s, softmax_scale=k.shape[-1] ** -0.5, block_table=s.get("block_table"), config=config)
+        return lambda: decode_attention_fwd(**call)[0]
+
+    return prepare
 
 
 def _flash_decoding(s: Inputs):
@@ -245,7 +257,10 @@ PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
         Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla"})),
-        Peer("lean-rows16", _lean_rows16, triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla"),
+        *(
+            Peer(name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla")
+            for name, overrides in MLA_ABLATIONS.items()
+        ),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),

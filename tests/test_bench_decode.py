@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench_decode  # noqa: E402
 import results  # noqa: E402
-from peers import PEERS, Peer, varlen_args  # noqa: E402
+from peers import MLA_ABLATIONS, PEERS, Peer, varlen_args  # noqa: E402
 
 from lean_tp.ops.decode_attention.naive import decode_attention_ref  # noqa: E402
 
@@ -66,6 +66,8 @@ def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
         assert f"{peer}: not benchmarked with mla" in row["notes"]
     for peer in ("flashmla", "flashinfer-mla", "vllm-triton-mla"):
         assert f"{peer}: not installed" in row["notes"] or f"{peer}: needs CUDA" in row["notes"]
+    for ablation in MLA_ABLATIONS:  # lean with its entry changed: timed, and within the check of lean's output
+        assert float(row[f"{ablation}_us"]) > 0 and ablation not in row["notes"]
 
 
 def test_dry_run_records_results_and_plots(dry_run):
