@@ -31,6 +31,7 @@ ENTRY_POINTS = {
     "results": "benchmarks/results.py",
     "gpu_check": "scripts/gpu_check.py",
     "sanitizer": "scripts/sanitizer_case.py",
+    "profile_case": "scripts/profile_case.py",
     "simulate": "lean_tp/tools/simulate/cli.py",
     "kernel_report": "lean_tp/tools/kernel_report/cli.py",
 }
@@ -101,6 +102,9 @@ FLAG_CASES = [
     ("gpu_check", ["--groups", "nope"], "--groups"),
     ("gpu_check", ["--out", "/proc/lean_tp_out"], "--out"),
     ("sanitizer", ["--seed", "-1"], "--seed"),
+    *[("profile_case", [f, "0"], f) for f in ("--heads", "--batch", "--context", "--tokens", "--page", "--reps")],
+    ("profile_case", ["--cache", "fp16"], "--cache"),
+    *[("profile_case", ["--override", v], "--override") for v in ("nope=3", "block_n", "block_n=x")],
     *[
         ("simulate", [f, v], f)
         for f in ("--batch", "--heads", "--kv-heads", "--tp", "--head-dim", "--programs-per-sm")
@@ -177,7 +181,7 @@ def test_a_world_size_the_model_cannot_use_gives_one_line(name, argv, world, mes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tools run on a GPU; here they must say they need one")
-@pytest.mark.parametrize("name", ["gpu_check", "sanitizer"])
+@pytest.mark.parametrize("name", ["gpu_check", "sanitizer", "profile_case"])
 def test_gpu_tools_without_a_gpu_say_so_in_one_line(name, capsys):
     assert "no CUDA device visible" in _one_line_error(name, [], capsys)
 
