@@ -1,6 +1,6 @@
 """The project's GPU check: CUDA tests, compute-sanitizer, a short benchmark and the decode loops, in one call.
 
-    python scripts/gpu_check.py --out DIR [--groups tests bench sanitizer loops] [--budget 480]
+    python scripts/gpu_check.py --out DIR [--groups tests bench profile sanitizer loops] [--budget 480]
 
 Runs from a bare checkout (no install step: the checkout is put on the path of every step) on a
 machine that has torch, triton and transformers. Optional packages (DeepSpeed, flash-attn,
@@ -54,7 +54,7 @@ DECODE_TP_VARIANTS = {
     "compiled lean": ["--compile"],
     "compiled sdpa": ["--compile", "--attention", "sdpa"],
 }
-GROUPS = ("tests", "bench", "sanitizer", "loops")  # in order of value: a short budget runs the first
+GROUPS = ("tests", "bench", "profile", "sanitizer", "loops")  # in order of value: a short budget runs the first
 TEST_WORKERS = 4  # pytest-xdist workers of the CUDA tests, where it is installed
 TEST_TIMEOUT = 120  # seconds a CUDA test case may take, where pytest-timeout is installed
 MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
@@ -115,6 +115,23 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         )
     if "bench" in groups:
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
+    if "profile" in groups:
+        # The MLA loop's stall reasons by SASS line (docs/gpu.md): one launch under Nsight Compute,
+        # then its source page as CSV, which is that step's log.
+        ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+        rep = os.path.join(out, "mla_dp128")
+        kernel = ["--kernel-name", "decode_attention_fwd_kernel", "--launch-skip", "3", "--launch-count", "1"]
+        case = [py, "scripts/profile_case.py", "--reps", "3"]
+        steps.append(
+            ("ncu mla dp128", [ncu, *kernel, "--set", "full", "--import-source", "yes", "-f", "-o", rep, *case], 180)
+        )
+        steps.append(
+            (
+                "ncu mla dp128 sass",
+                [ncu, "--import", rep + ".ncu-rep", "--page", "source", "--print-source", "sass", "--csv"],
+                120,
+            )
+        )
     if "sanitizer" in groups:
         sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
         for tool in ("memcheck", "racecheck", "synccheck"):
@@ -141,6 +158,9 @@ def run(name: str, cmd: list[str], out_dir: str, timeout: float) -> dict:
             status = "PASS" if rc == 0 else f"FAIL (rc={rc})"
         except subprocess.TimeoutExpired:
             status = f"TIMEOUT ({timeout:.0f}s)"
+        except OSError as exc:  # a tool the image lacks (ncu, compute-sanitizer)
+            log.write(f"{exc}\n")
+            status = f"ERROR ({type(exc).__name__})"
     return dict(name=name, status=status, seconds=round(time.time() - start, 1))
 
 

@@ -124,6 +124,13 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
 def test_planned_steps_run_in_order_of_value():
     names = [name for name, _, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")]
     assert names[0] == "pytest tests/gpu" and names[1] == "bench_decode --quick"
+    assert names[2:4] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
         f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
     ]
+
+
+def test_a_step_whose_tool_is_missing_is_an_error_not_a_crash(tmp_path):
+    step = gpu_check.run("ncu mla dp128", ["/nonexistent/ncu", "--version"], str(tmp_path), 10)
+    assert step["status"] == "ERROR (FileNotFoundError)"
+    assert "/nonexistent/ncu" in (tmp_path / "ncu mla dp128.log").read_text()
