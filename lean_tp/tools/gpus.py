@@ -55,6 +55,7 @@ GPUS = {
 # 0.97-1.17x; at B=1 it stays 1.3-2.7x too fast (the merge and a call's fixed costs, not
 # calibrated). The H100 shares the H200's SM and clocks, so the same times model it; other parts
 # and entries (sm_80, sm_100, 32-row blocks) are not measured and keep the memory-bound model.
+# The batch-invariant variant's 16-row loop is assumed to take the default's time (unmeasured).
 LOOP_US = {
     ("sm90", 576, 2, 16, 32): 2.10,  # 2.07 (16 heads), 2.13 (128 heads in 16-row blocks)
     ("sm90", 576, 2, 64, 32): 2.84,

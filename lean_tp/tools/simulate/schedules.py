@@ -15,7 +15,10 @@ bandwidth over the share of bytes that come from HBM (a row re-read while it is 
 a hit: ``l2.py``), and at most the L2's read bandwidth; a merge costs L2 round trips (one per
 atomic, one per wave of partial loads) plus its partial bytes over the merging SM's L2 port; a
 second kernel costs a launch gap. Every method gets the same memory model, so the comparison
-isolates schedules and merges.
+isolates schedules and merges. One exception is measured: where a lean entry's K/V-loop
+iteration time is known (``gpus.LOOP_US``: sm_90's MLA entries on an H200), a lean program
+streams at most one block an iteration, which is slower than its bytes; the peers keep the
+memory model, so there the comparison also holds lean's loop against peers assumed memory-bound.
 """
 
 from __future__ import annotations
