@@ -19,17 +19,16 @@ import torch
 
 from lean_tp import cli
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
-from lean_tp.ops.decode_attention.tuning import DecodeConfig, get_config
+from lean_tp.ops.decode_attention.tuning import config_override, get_config
 
 MLA_DQK, MLA_DV = 576, 512
 
 
 def _override(text: str) -> tuple[str, int | None]:
-    """``FIELD=VALUE`` of a ``DecodeConfig`` integer field (``None`` clears an optional one)."""
-    key, _, value = text.partition("=")
-    if key not in {f.name for f in dataclasses.fields(DecodeConfig)} or not (value == "None" or value.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, a DecodeConfig field and an integer, got {text!r}")
-    return key, None if value == "None" else int(value)
+    try:
+        return config_override(text, optional=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected {exc}, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,10 @@ FLAG_CASES = [
     ("sanitizer", ["--seed", "-1"], "--seed"),
     *[("profile_case", [f, "0"], f) for f in ("--heads", "--batch", "--context", "--tokens", "--page", "--reps")],
     ("profile_case", ["--cache", "fp16"], "--cache"),
-    *[("profile_case", ["--override", v], "--override") for v in ("nope=3", "block_n", "block_n=x")],
+    *[
+        ("profile_case", ["--override", v], "--override")
+        for v in ("nope=3", "block_n", "block_n=x", "reason=3", "block_n=None")
+    ],
     *[
         ("simulate", [f, v], f)
         for f in ("--batch", "--heads", "--kv-heads", "--tp", "--head-dim", "--programs-per-sm")

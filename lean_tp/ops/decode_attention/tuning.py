@@ -741,6 +741,19 @@ def table_entry(arch: str, head_dim: int, elem_bytes: int) -> DecodeConfig | Non
     return entry
 
 
+def config_override(text: str, optional: bool = False) -> tuple[str, int | None]:
+    """(field, value) of a trial's ``FIELD=VALUE`` replacing a ``DecodeConfig`` integer field (the
+    kernel report's ``--set``, scripts/profile_case.py's ``--override``); with ``optional``, also
+    the fields that may be None, which ``None`` clears. ValueError giving what it expects."""
+    types = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
+    fields = [name for name, kind in types.items() if kind == "int" or (optional and kind == "int | None")]
+    name, _, value = text.partition("=")
+    if name in fields and (value.isdigit() or (value == "None" and types[name] == "int | None")):
+        return name, None if value == "None" else int(value)
+    clears = " (None clears an optional one)" if optional else ""
+    raise ValueError(f"FIELD=INTEGER with FIELD one of {', '.join(fields)}{clears}")
+
+
 def get_config(
     device: torch.device,
     head_dim: int,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from lean_tp import cli
-from lean_tp.ops.decode_attention.tuning import DecodeConfig
+from lean_tp.ops.decode_attention.tuning import config_override
 from lean_tp.tools.kernel_report.report import (
     arch_jobs,
     arch_markdown,
@@ -18,13 +17,12 @@ from lean_tp.tools.kernel_report.report import (
 
 
 def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
-    fields = [f.name for f in dataclasses.fields(DecodeConfig) if f.type in (int, "int")]
     overrides = []
     for item in items:
-        name, _, value = item.partition("=")
-        if name not in fields or not value.isdigit():
-            p.fail("--set", f"FIELD=INTEGER with FIELD one of {', '.join(fields)}", item)
-        overrides.append((name, int(value)))
+        try:
+            overrides.append(config_override(item))
+        except ValueError as exc:
+            p.fail("--set", str(exc), item)
     return tuple(overrides)
 
 
