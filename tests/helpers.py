@@ -124,8 +124,8 @@ def run_kernel(inputs: dict, counters: torch.Tensor | None = None, **plan_option
     q = call["q"]
     plan = plan_decode(**call, **plan_options)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, q.device))
-    out = torch.full((*q.shape[:-1], call["v_cache"].shape[-1]), float("nan"), dtype=q.dtype)
-    lse = torch.full(q.shape[:-1], float("nan"))
+    out = torch.full((*q.shape[:-1], call["v_cache"].shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
     return decode_attention_fwd(
         **call,
         softmax_scale=q.shape[-1] ** -0.5,

@@ -27,8 +27,10 @@ KERNEL_DQK, KERNEL_DV, TILE = 576, 512, 64
 KERNEL_LENS = [0, 1, TILE - 1, TILE, TILE + 1, 3 * TILE + 5]
 
 
-def _mla_inputs(layout: str, num_q_heads: int, dtype: torch.dtype, seed: int, dqk=DQK, dv=DV, lens=LENS) -> dict:
-    inputs = make_inputs(lens, num_q_heads, 1, dqk, dtype, layout, seed=seed)
+def mla_inputs(
+    layout: str, num_q_heads: int, dtype: torch.dtype, seed: int, dqk=DQK, dv=DV, lens=LENS, device="cpu"
+) -> dict:
+    inputs = make_inputs(lens, num_q_heads, 1, dqk, dtype, layout, device=device, seed=seed)
     inputs["v_cache"] = inputs["k_cache"][..., :dv]  # the same storage: one latent cache
     return inputs
 
@@ -36,7 +38,7 @@ def _mla_inputs(layout: str, num_q_heads: int, dtype: torch.dtype, seed: int, dq
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_decode_attention_ref_mla_is_full_v_sliced(layout):
     """Attention is linear in V's columns: the prefix-view answer is the full-row answer's first Dv."""
-    inputs = _mla_inputs(layout, 16, torch.float32, seed=1)
+    inputs = mla_inputs(layout, 16, torch.float32, seed=1)
     out, lse = decode_attention_ref(**inputs, softmax_scale=DQK**-0.5)
     full_out, full_lse = decode_attention_ref(**dict(inputs, v_cache=inputs["k_cache"]), softmax_scale=DQK**-0.5)
     assert out.shape == (len(LENS), 16, DV)
@@ -48,7 +50,7 @@ def test_decode_attention_ref_mla_is_full_v_sliced(layout):
 @pytest.mark.parametrize("num_q_heads", [16, 64])
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_decode_attention_torch_mla(layout, num_q_heads, dtype):
-    inputs = _mla_inputs(layout, num_q_heads, dtype, seed=2)
+    inputs = mla_inputs(layout, num_q_heads, dtype, seed=2)
     ref_out, ref_lse = decode_attention_ref(**inputs, softmax_scale=DQK**-0.5)
     out, lse = decode_attention_torch(**inputs, softmax_scale=DQK**-0.5)
     assert out.shape == (len(LENS), num_q_heads, DV) and out.dtype == dtype
@@ -71,7 +73,7 @@ def test_decode_attention_kernel_mla(layout, group, dtype):
     """The kernel on a latent cache (V a view of K's rows) against float64: every page size DeepSeek
     serving uses, groups 16 (TP 8) to 128 (TP 1: 8 row blocks, each reading the latent rows),
     ragged lengths around the tile."""
-    inputs = _mla_inputs(layout, group, dtype, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    inputs = mla_inputs(layout, group, dtype, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
     plan = plan_decode(**inputs)
     assert plan.kernel.features.v_in_k and plan.kernel.constexprs["HEAD_DIM_T"] == KERNEL_DQK - KERNEL_DV
     out, lse = run_kernel(inputs)
@@ -84,7 +86,7 @@ def test_decode_attention_kernel_mla_64_row_blocks():
     computed keys-major, each output split over several programs and merged in 64-column slices,
     beside a whole short output and an empty one, against float64."""
     lens = [10 * TILE + 3, 5, 0]
-    inputs = _mla_inputs("paged16", 128, torch.bfloat16, seed=7, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs = mla_inputs("paged16", 128, torch.bfloat16, seed=7, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     cx = plan_decode(**inputs, num_programs=12).kernel.constexprs
     assert (cx["BLOCK_G"], cx["NUM_GC"], cx["SCORES_T"], cx["MERGE_COLS"]) == (64, 2, True, 64)
     out, lse = run_kernel(inputs, num_programs=12)
@@ -95,7 +97,7 @@ def test_a_grid_has_a_program_for_each_row_block():
     """MTP at DP attention (Tq 4 x 128 heads: 8 row blocks of 64) on a 3-program grid: the launcher
     grows the grid to 9, a program for each lane of the schedule, and the result is exact."""
     lens = [TILE + 6, 3]
-    inputs = _mla_inputs("paged16", 128, torch.bfloat16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs = mla_inputs("paged16", 128, torch.bfloat16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     inputs["q"] = torch.randn(len(lens), 4, 128, KERNEL_DQK).bfloat16()
     plan = plan_decode(**inputs, num_programs=3)
     assert (plan.kernel.lanes, plan.num_programs) == (8, 9)
@@ -105,7 +107,7 @@ def test_a_grid_has_a_program_for_each_row_block():
 
 def test_decode_attention_kernel_mla_v_of_its_own():
     """V a tensor of its own with K's layout but 512 columns (not a view): read apart from K."""
-    inputs = _mla_inputs("paged16", 16, torch.float16, seed=3, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    inputs = mla_inputs("paged16", 16, torch.float16, seed=3, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
     inputs["v_cache"] = torch.randn(inputs["v_cache"].shape).half()
     assert not plan_decode(**inputs).kernel.features.v_in_k
     out, lse = run_kernel(inputs)
@@ -118,7 +120,7 @@ def test_decode_attention_kernel_mla_fp8(layout, tq):
     """An e4m3 latent cache with one per-tensor scale (as vLLM's and SGLang's fp8 MLA caches keep
     it) and a bf16 q, with Tq 1 and 4 (MTP drafts, causal among themselves)."""
     lens = [0, 1, 127, 128, 129, 300]
-    inputs = _mla_inputs(layout, 16, torch.bfloat16, seed=4 + tq, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs = mla_inputs(layout, 16, torch.bfloat16, seed=4 + tq, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     if tq > 1:
         inputs["q"] = torch.randn(len(lens), tq, 16, KERNEL_DQK).bfloat16()
     latent = (inputs["k_cache"].float() * 8).to(torch.float8_e4m3fn)
@@ -129,7 +131,7 @@ def test_decode_attention_kernel_mla_fp8(layout, tq):
 
 def test_decode_attention_kernel_mla_features():
     """Window, softcap and sinks (no MLA model uses them) work on MLA's layout too, with Tq 3."""
-    inputs = _mla_inputs("paged16", 16, torch.float16, seed=5, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
+    inputs = mla_inputs("paged16", 16, torch.float16, seed=5, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=KERNEL_LENS)
     inputs["q"] = torch.randn(len(KERNEL_LENS), 3, 16, KERNEL_DQK).half()
     inputs.update(window=70, softcap=20.0, sinks=torch.randn(16))
     out, lse = lean_tp.decode_attention(**inputs, backend="triton", return_lse=True)
@@ -139,7 +141,7 @@ def test_decode_attention_kernel_mla_features():
 def test_decode_attention_kernel_mla_batch_invariant():
     """A request's bits alone and among others, on different grids; and against float64."""
     lens = [3 * TILE + 5, 17, 2 * TILE, 1]
-    inputs = _mla_inputs("paged16", 16, torch.bfloat16, seed=6, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs = mla_inputs("paged16", 16, torch.bfloat16, seed=6, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     out, lse = run_kernel(select(inputs, [0, 1, 2, 3]), batch_invariant=True, num_programs=3)
     alone, alone_lse = run_kernel(select(inputs, [0]), batch_invariant=True, num_programs=4)
     assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0])
@@ -158,7 +160,7 @@ def test_an_mla_token_verified_among_drafts_has_its_decode_bits(group, layout, f
     from test_decode_attention_batch_invariant import check_verified_tokens
 
     lens = [TILE + 7, 2, 1]
-    inputs = _mla_inputs(layout, group, torch.bfloat16, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    inputs = mla_inputs(layout, group, torch.bfloat16, seed=group, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     inputs["q"] = torch.randn(len(lens), 2, group, KERNEL_DQK).bfloat16()
     if fp8:
         latent = (inputs["k_cache"].float() * 8).to(torch.float8_e4m3fn)
@@ -170,7 +172,7 @@ def test_an_mla_token_verified_among_drafts_has_its_decode_bits(group, layout, f
 def test_decode_attention_mla_bad_input():
     """A v_cache neither of K's layout nor narrower than K, a pair without a tuning entry on the
     Triton backend, and a wrong fp8 scale shape: ValueError naming the argument."""
-    inputs = _mla_inputs("paged16", 16, torch.float16, seed=7)
+    inputs = mla_inputs("paged16", 16, torch.float16, seed=7)
     with pytest.raises(ValueError, match=r"v_cache: expected k_cache's shape .* last dim Dv <= 72"):
         lean_tp.decode_attention(**dict(inputs, v_cache=torch.randn(*inputs["k_cache"].shape[:-1], 80).half()))
     with pytest.raises(ValueError, match=r"v_cache: expected k_cache's shape"):
@@ -178,7 +180,7 @@ def test_decode_attention_mla_bad_input():
     with pytest.raises(ValueError, match=r"v_cache: expected \(K, V\) head dims in \[\(576, 512\)\]"):
         lean_tp.decode_attention(**inputs, backend="triton")
     assert lean_tp.decode_attention(**inputs, backend="torch").shape == (len(LENS), 16, DV)
-    kernel = _mla_inputs("contiguous", 16, torch.float32, seed=8, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5])
+    kernel = mla_inputs("contiguous", 16, torch.float32, seed=8, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5])
     with pytest.raises(ValueError, match=r"float16 or bfloat16 q .* got \(576, 512\) with torch.float32 q"):
         lean_tp.decode_attention(**kernel, backend="triton")
     latent = kernel["k_cache"].to(torch.float8_e4m3fn)
@@ -191,7 +193,7 @@ def test_decode_attention_mla_opcheck():
     """The registered op (fake implementation included) with V a view of K's rows, out Dv wide: every
     check on the torch backend; on the kernel, those that do not trace it (an interpreted kernel
     cannot be traced, as in test_opcheck_on_the_triton_backend)."""
-    inputs = _mla_inputs("paged16", 16, torch.float16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[0, 5, 70])
+    inputs = mla_inputs("paged16", 16, torch.float16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[0, 5, 70])
     args = (*(inputs[k] for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad")),)
     op = torch.ops.lean_tp.decode_attention.default
     torch.library.opcheck(op, (*args, KERNEL_DQK**-0.5, "torch"))

@@ -8,12 +8,13 @@ Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them on a GP
 
 import pytest
 import torch
-from helpers import make_inputs
+from helpers import run_kernel
 from test_decode_attention_features import assert_matches_feature_ref
+from test_decode_attention_mla import mla_inputs
 
 import lean_tp
 from lean_tp.ops.decode_attention.checks import scale_tensor
-from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
+from lean_tp.ops.decode_attention.launcher import plan_decode
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (python scripts/gpu_check.py runs it on a GPU)", allow_module_level=True)
@@ -23,26 +24,21 @@ ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LENS = [0, 1, 63, 64, 65, 129, 4099, 17000]
 
 
-def _mla_inputs(lens, group, dtype, layout, tq=1, fp8=False, seed=0) -> dict:
-    """A latent cache on the GPU (V a view of K's first 512 columns); e4m3 with one scale."""
-    inputs = make_inputs(lens, group, 1, DQK, dtype, layout, device="cuda", seed=seed)
+def _inputs(lens, group, dtype, layout, tq=1, fp8=False, seed=0) -> dict:
+    """A latent cache on the GPU (``mla_inputs``: V a view of K's first 512 columns) with Tq query
+    tokens; e4m3 with one scale."""
+    inputs = mla_inputs(layout, group, dtype, seed, DQK, DV, lens, device="cuda")
     if tq > 1:
         inputs["q"] = torch.randn(len(lens), tq, group, DQK, device="cuda").to(dtype)
     if fp8:
         latent = (inputs["k_cache"].float() * 8).to(torch.float8_e4m3fn)
         scale = scale_tensor("k_scale", 0.125, torch.device("cuda"))
-        inputs.update(k_cache=latent, k_scale=scale, v_scale=scale)
-    inputs["v_cache"] = inputs["k_cache"][..., :DV]
-    inputs["softmax_scale"] = DQK**-0.5
+        inputs.update(k_cache=latent, v_cache=latent[..., :DV], k_scale=scale, v_scale=scale)
     return inputs
 
 
-def _run(inputs: dict, **options) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the launcher, both starting as NaN so an unwritten element fails."""
-    q = inputs["q"]
-    out = torch.full((*q.shape[:-1], DV), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
-    return decode_attention_fwd(**inputs, out=out, lse=lse, **options)
+def _check(out, lse, inputs, atol) -> None:
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=DQK**-0.5), atol, lse_atol=1e-3, lse_rtol=1e-4)
 
 
 def _atol(inputs) -> float:
@@ -69,20 +65,20 @@ def test_mla_cuda(group, layout, dtype, tq, fp8):
     """Every group DeepSeek and Kimi serve, page sizes 1-64, ragged lengths around the tile and
     long enough to split every output over many programs (17k keys), against float64; the output
     starts as NaN."""
-    inputs = _mla_inputs(LENS, group, dtype, layout, tq, fp8, seed=group + tq)
-    out, lse = _run(inputs)
-    assert_matches_feature_ref(out, lse, inputs, _atol(inputs), lse_atol=1e-3, lse_rtol=1e-4)
+    inputs = _inputs(LENS, group, dtype, layout, tq, fp8, seed=group + tq)
+    out, lse = run_kernel(inputs)  # out, lse and the merge workspace start as NaN
+    _check(out, lse, inputs, _atol(inputs))
 
 
 @pytest.mark.parametrize("num_programs", [1, 3, 7, 264, 2000])
 def test_mla_cuda_forced_grids(num_programs):
     """DP attention's 128 heads (two row-block lanes) on grids from one program (grown to a program
     a lane) to more programs than tiles: every split and merge tree shape."""
-    inputs = _mla_inputs([20000, 0, 129, 1, 3000], 128, torch.bfloat16, "paged64", seed=num_programs)
+    inputs = _inputs([20000, 0, 129, 1, 3000], 128, torch.bfloat16, "paged64", seed=num_programs)
     plan = plan_decode(**inputs, num_programs=num_programs)
     assert plan.kernel.lanes == 2 and plan.num_programs == max(num_programs, 2)
-    out, lse = _run(inputs, num_programs=num_programs)
-    assert_matches_feature_ref(out, lse, inputs, ATOL[torch.bfloat16], lse_atol=1e-3, lse_rtol=1e-4)
+    out, lse = run_kernel(inputs, num_programs=num_programs)
+    _check(out, lse, inputs, ATOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("group", [16, 128])
@@ -90,11 +86,11 @@ def test_mla_cuda_batch_invariant(group):
     """A request's bits alone and among others in the batch-invariant mode, and a token verified
     among MTP drafts (Tq 2) has the bits of its one-token decode."""
     lens = [9000, 17, 128, 1]
-    inputs = _mla_inputs(lens, group, torch.bfloat16, "paged64", tq=2, seed=group)
-    out, lse = _run(inputs, batch_invariant=True)
-    assert_matches_feature_ref(out, lse, inputs, ATOL[torch.bfloat16], lse_atol=1e-3, lse_rtol=1e-4)
+    inputs = _inputs(lens, group, torch.bfloat16, "paged64", tq=2, seed=group)
+    out, lse = run_kernel(inputs, batch_invariant=True)
+    _check(out, lse, inputs, ATOL[torch.bfloat16])
     first = dict(q=inputs["q"][:1, 0].contiguous(), cache_seqlens=inputs["cache_seqlens"][:1] - 1)
-    alone, alone_lse = _run(dict(inputs, **first, block_table=inputs["block_table"][:1]), batch_invariant=True)
+    alone, alone_lse = run_kernel(dict(inputs, **first, block_table=inputs["block_table"][:1]), batch_invariant=True)
     assert torch.equal(alone[0], out[0, 0]) and torch.equal(alone_lse[0], lse[0, 0])
 
 
@@ -102,7 +98,7 @@ def test_mla_cuda_graph_replay_with_new_lengths():
     """DP attention's 128 heads on an e4m3 latent cache, captured once and replayed with new
     lengths (empty, short, past the capture's longest)."""
     capacity = 8192  # every page of the block table valid, so any new length reads real pages
-    inputs = _mla_inputs([capacity] * 4, 128, torch.bfloat16, "paged64", fp8=True, seed=3)
+    inputs = _inputs([capacity] * 4, 128, torch.bfloat16, "paged64", fp8=True, seed=3)
     inputs["cache_seqlens"].copy_(torch.tensor([3000, 5, 700, 64], dtype=torch.int32))
     lean_tp.decode_attention(**inputs)
     torch.cuda.synchronize()
@@ -113,4 +109,4 @@ def test_mla_cuda_graph_replay_with_new_lengths():
         inputs["cache_seqlens"].copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        assert_matches_feature_ref(out, lse, inputs, _atol(inputs), lse_atol=1e-3, lse_rtol=1e-4)
+        _check(out, lse, inputs, _atol(inputs))
