@@ -131,7 +131,7 @@ def test_a_contributor_cap_below_two_is_refused():
         dataclasses.replace(entry, max_contributors=1)
 
 
-@pytest.mark.parametrize("field", ["scores_t_rows", "merge_slice_elems", "invariant_max_block_g"])
+@pytest.mark.parametrize("field", ["scores_t_rows", "merge_slice_elems", "invariant_max_block_g", "narrow_block_n"])
 def test_row_block_fields_are_refused_unless_powers_of_two(field):
     """The 64-row MLA fields (a row count, a slice's fp32 elements, a row cap) are powers of two of
     at least 16, or None; anything else is refused when the entry is made, naming the field."""
@@ -139,3 +139,26 @@ def test_row_block_fields_are_refused_unless_powers_of_two(field):
     assert getattr(entry, field) is not None
     with pytest.raises(ValueError, match=rf"DecodeConfig.{field}: expected a power of two >= 16, got 48"):
         dataclasses.replace(entry, **{field: 48})
+
+
+def test_narrow_blocks_take_their_own_keys_an_iteration():
+    """``narrow_block_n`` sets BLOCK_N for blocks of at most 16 query rows (sm_90's MLA entries:
+    64 keys at TP 8's 16 heads, 32 at DP attention's 64-row blocks); it must divide tile_n."""
+    from lean_tp.ops.decode_attention import Features, KernelVariant
+
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    assert (entry.block_n_for(8), entry.block_n_for(16), entry.block_n_for(32), entry.block_n_for(64)) == (
+        64,
+        64,
+        32,
+        32,
+    )
+    assert dataclasses.replace(entry, narrow_block_n=None).block_n_for(16) == 32
+    mla = Features(v_in_k=True)
+    blocks = {
+        group: KernelVariant("sm90", torch.bfloat16, 576, group, 64, mla, head_dim_v=512).constexprs
+        for group in (16, 128)
+    }
+    assert [(cx["BLOCK_G"], cx["BLOCK_N"]) for cx in blocks.values()] == [(16, 64), (64, 32)]
+    with pytest.raises(ValueError, match=r"DecodeConfig.tile_n: expected a multiple of narrow_block_n=128, got 64"):
+        dataclasses.replace(entry, narrow_block_n=128)

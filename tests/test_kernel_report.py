@@ -231,7 +231,8 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
     bytes per key (1152 at 16 bits, 576 fp8), not (576 + 512) x elem; every layout and feature
     (fp8, Tq 4, the invariant mode, all of them) keeps its K/V loop free of spills, copies the
     latent columns 16 bytes at a time and holds 2 K/V buffers, at least twice what Little's law asks
-    of an SM (32-key fp8 blocks: 2.3x). The second load width is the rope
+    of an SM (32-key fp8 blocks: 2.3x). sm_90's 16-row blocks take 64 keys (``narrow_block_n``),
+    reading under 6000 bytes of shared memory a key (32-key blocks: 8512, paged64). The second load width is the rope
     columns': 64 x elem bytes a key over the 256 threads, at most 16 (fp8, 32 keys: 8). The tests
     compile the contiguous and paged16 rows and e4m3's (``sample_jobs``), and on sm_90 DP
     attention's 128 heads at 16 bits, in two 64-row blocks; docs/kernel_report.md has every layout
@@ -248,6 +249,8 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
         assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2 and s.wait_group >= 1, s
         assert s.v_load_bytes == min(16, s.block_n * 64 * (1 if fp8 else 2) // (s.num_warps * 32)), s
         assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 2 * s.littles_law_bytes, s
+        if arch == "sm90" and s.block_g == 16:  # 64-key blocks: q's reads from shared memory, a key
+            assert s.block_n == 64 and 0 < s.smem_read_bytes / s.block_n < 6000, s
 
 
 @pytest.mark.archs  # about 2.5 minutes on 2 cores: CI runs it as a step of its own (pytest -m archs)
@@ -413,6 +416,28 @@ def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
     """
     # Loops: 0x20-0x50 (HMMA), 0x60-0x70 (one FFMA), 0x10-0x80 (outer, holds both), 0xa0 (the trap).
     assert kv_loop_of_sass(sass) == (4, 1)
+
+
+def test_kv_loop_shared_memory_reads_count_every_warp_and_warp_group():
+    """``kv_smem_read_bytes``: an LDSM of four 8 x 8 16-bit matrices reads 512 bytes a warp, an
+    LDS.64 256, a wgmma its B operand (N x K) from a descriptor, and A (64 x K) too when A is a
+    descriptor; every warp's LDS, every warp group's wgmma. Outside the K/V loop nothing counts."""
+    from lean_tp.tools.kernel_report.sass import kv_smem_read_bytes
+
+    sass = """
+        /*0000*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0010*/                   LDSM.16.MT88.2 R8, [R2+0x100] ;
+        /*0020*/                   LDS.64 R10, [R3] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
+        /*0040*/                   HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[UR20].tnspB, R24 ;
+        /*0050*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/              @!P1 BRA 0x0 ;
+        /*0070*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0080*/                   EXIT ;
+    """
+    warp = 512 + 256 + 256
+    group = 256 * 16 * 2 + (64 * 16 + 32 * 16) * 2
+    assert kv_smem_read_bytes(sass, 8) == 8 * warp + 2 * group
 
 
 def test_merge_loop_is_the_innermost_loop_with_l2_coherent_loads():

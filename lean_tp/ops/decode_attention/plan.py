@@ -137,7 +137,7 @@ class KernelVariant:
             # The schedule's lanes (schedule.py): a KV head's row blocks read each key together. The
             # batch-invariant mode's folds (folds.py) address one lane.
             "LANES": 1 if f.batch_invariant else row_blocks,
-            "BLOCK_N": config.block_n,
+            "BLOCK_N": config.block_n_for(block_g),
             "TILE_N": config.tile_n,
             "PAGED": paged,
             "PAGE_SIZE": self.page_size or 1,

@@ -40,6 +40,11 @@ MERGE_FANIN = 8
 MAX_CONTRIBUTORS = MERGE_FANIN**2
 
 
+# Query rows of a block that the narrow-block settings (DecodeConfig.max_registers,
+# narrow_block_n) apply to: one GQA group of up to 16 heads, or 16 MLA heads at TP 8.
+NARROW_ROWS = 16
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """Launch settings of ``decode_attention_fwd_kernel`` for one (arch, head_dim, cache element size)."""
@@ -70,6 +75,11 @@ class DecodeConfig:
     # it to ptxas. Larger row blocks hold 2-4x the accumulators and would spill in the K/V loop
     # under the cap. See _REGS.
     max_registers: int | None = None
+    # Keys per inner iteration of blocks of at most NARROW_ROWS query rows when set, else block_n:
+    # such a block's score product is as long a chain whatever its keys, so more keys an iteration
+    # cut the loop's instructions and shared-memory reads per key where registers and shared
+    # memory allow. See _MLA_KEYS64.
+    narrow_block_n: int | None = None
     # The same cap for the batch-invariant variant alone, where the default needs none: its
     # chunk-end block in the K/V loop (chunks.attend_chunks) raises ptxas's choice past an
     # occupancy step that the default stays under. See _REGS_INVARIANT.
@@ -102,16 +112,31 @@ class DecodeConfig:
         warps = (invariant and self.invariant_num_warps) or self.num_warps
         options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION}
         cap = (invariant and self.invariant_max_registers) or self.max_registers
-        capped = cap and block_g <= 16 and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
+        capped = cap and block_g <= NARROW_ROWS and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
         return options | ({"maxnreg": cap} if capped else {})
 
+    def block_n_for(self, block_g: int) -> int:
+        """Keys per inner iteration of a block of ``block_g`` query rows (``narrow_block_n``)."""
+        return self.narrow_block_n if self.narrow_block_n and block_g <= NARROW_ROWS else self.block_n
+
     def __post_init__(self) -> None:
-        for name in ("tile_n", "block_n", "max_block_g", "invariant_max_block_g", "scores_t_rows", "merge_slice_elems"):
+        for name in (
+            "tile_n",
+            "block_n",
+            "narrow_block_n",
+            "max_block_g",
+            "invariant_max_block_g",
+            "scores_t_rows",
+            "merge_slice_elems",
+        ):
             value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
-        if self.tile_n % self.block_n:
-            raise ValueError(f"DecodeConfig.tile_n: expected a multiple of block_n={self.block_n}, got {self.tile_n}")
+        for name in ("block_n", "narrow_block_n"):
+            if self.tile_n % (getattr(self, name) or self.block_n):
+                raise ValueError(
+                    f"DecodeConfig.tile_n: expected a multiple of {name}={getattr(self, name)}, got {self.tile_n}"
+                )
         if self.max_contributors < 2:  # the schedule's cost rule divides by max_contributors - 1
             raise ValueError(f"DecodeConfig.max_contributors: expected an int >= 2, got {self.max_contributors}")
 
@@ -248,6 +273,16 @@ _MLA_ROWS64 = (
     "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merge slices of 4096): no K/V-loop spill at "
     "16 bits, 1 program/SM; invariant variant 16-row blocks (kernel report)"
 )
+# A 16-row block's score product (q K^T, mma.sync: 16 x 8 tiles over warpsPerCTA [1, 8]) is a chain of
+# 36 dependent multiply-adds a warp (576 columns / 16) however many keys a block holds. At 32-key
+# blocks warps 4-7 repeat warps 0-3's tiles, and each of the 8 warps reads all of q (16 x 576, 18 KB)
+# from shared memory every iteration. 64-key blocks give each warp 8 keys of its own: on sm_90 at 16
+# rows 644 SASS and 157 KB of shared-memory reads an iteration (254 registers, no K/V-loop spill, 2
+# K/V buffers, 169 KB of shared memory) against 2 x 501 and 2 x 274 KB for two 32-key iterations
+# (e4m3: 791 against 2 x 562; kernel report). The simulator's loop time for it is the measured
+# 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
+# blocks of 64 rows take 304 KB of shared memory.
+_MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501 at 32 (kernel report)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -557,6 +592,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm90", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
+        narrow_block_n=64,
         max_block_g=64,
         num_warps=8,
         num_stages=3,
@@ -567,7 +603,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
-        reason=_MLA + _MLA_ROWS64 + _STAGES + _AHEAD,
+        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD,
     ),
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
@@ -584,6 +620,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm90", 576, 1): DecodeConfig(
         tile_n=64,
         block_n=32,
+        narrow_block_n=64,
         max_block_g=64,
         num_warps=8,
         num_stages=3,
@@ -594,11 +631,12 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
-        reason=_MLA_FP8 + _MLA_ROWS64 + _AHEAD,
+        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD,
     ),
     ("interp", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
+        narrow_block_n=64,
         max_block_g=64,
         num_warps=4,
         num_stages=1,
@@ -613,6 +651,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("interp", 576, 1): DecodeConfig(
         tile_n=64,
         block_n=32,
+        narrow_block_n=64,
         max_block_g=64,
         num_warps=4,
         num_stages=1,

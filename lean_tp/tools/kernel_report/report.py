@@ -28,6 +28,7 @@ from lean_tp.tools.kernel_report.sass import (
     kv_copy_bytes,
     kv_load_bytes,
     kv_loop_of_sass,
+    kv_smem_read_bytes,
     merge_loop_of_sass,
     page_id_timing,
     resources,
@@ -101,6 +102,7 @@ class KernelStats:
     kv_copy_bytes: int = 0  # K/V bytes one thread copies per K/V-loop iteration (``sass.kv_copy_bytes``)
     block_g: int = 0  # query rows of a row block (``BLOCK_G``)
     row_blocks: int = 0  # row blocks of a KV head (``NUM_GC``): reads of each key's row per query token
+    smem_read_bytes: int = 0  # shared-memory bytes a K/V-loop iteration reads (``sass.kv_smem_read_bytes``)
 
     @property
     def head_dim_v(self) -> int:
@@ -188,14 +190,14 @@ def compile_stats(
         group,
         leftpad,
         features,
-        config.block_n,
+        variant.constexprs["BLOCK_N"],
         variant.num_warps,
         regs,
         stack,
         shared,
         programs_per_sm(regs, shared, variant.num_warps, SM_LIMITS[arch]),
         *kv_load_bytes(kernel.asm["ptx"]),
-        kv_buffers(kernel.asm["ttgir"], config.block_n),
+        kv_buffers(kernel.asm["ttgir"], variant.constexprs["BLOCK_N"]),
         max(waits, default=0),
         *kv_loop_of_sass(sass),
         variant.constexprs["WAVE"],
@@ -204,6 +206,7 @@ def compile_stats(
         kv_copy_bytes(sass),
         variant.block_g,
         variant.row_blocks,
+        kv_smem_read_bytes(sass, variant.num_warps),
     )
 
 
@@ -423,13 +426,14 @@ def to_markdown(rows: list[KernelStats]) -> str:
         "every latent row (reads a latent row = row blocks):",
         "",
         "| arch | group | cache | rows a block | reads a latent row | regs | spill B | loop spills | smem KB "
-        "| K/V B per key | BLOCK_N | SASS/iter | SASS a key and head | issue share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| K/V B per key | BLOCK_N | SASS/iter | SASS a key and head | issue share | smem B read a key |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in mla:
         lines.append(
             f"| {r.arch} | {r.group} | {'e4m3' if r.features else r.dtype} | {r.block_g} | {r.row_blocks} | {r.regs} "
             f"| {r.spill_bytes} | {r.loop_spills} | {r.shared_bytes / 1024:.1f} | {r.bytes_per_key:.0f} | {r.block_n} "
-            f"| {r.sass_per_iter} | {r.sass_per_iter * r.row_blocks / (r.block_n * r.group):.2f} | {r.issue_share:.2f} |"
+            f"| {r.sass_per_iter} | {r.sass_per_iter * r.row_blocks / (r.block_n * r.group):.2f} | {r.issue_share:.2f} "
+            f"| {r.smem_read_bytes / r.block_n:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -86,6 +86,36 @@ def kv_copy_bytes(text: str) -> int:
     return sum(widths)
 
 
+def _smem_read_bytes(op: str, operands: str) -> tuple[int, int]:
+    """(bytes a warp's instruction reads from shared memory, bytes a warp group's) for one SASS
+    instruction: ``LDSM`` 8 x 8 16-bit matrices (128 bytes each, 1, 2 or 4 of them), ``LDS`` its
+    width x 32 lanes, and ``HGMMA``'s operands given by a descriptor (``gdesc``: B's N x K always,
+    A's 64 x K unless A is in registers), 16-bit (``.F16``/``.BF16``) or 8-bit."""
+    if m := re.fullmatch(r"LDSM\.16\.MT?88(?:\.(\d))?", op):
+        return 128 * int(m.group(1) or 1), 0
+    if m := re.fullmatch(r"LDS(?:\.(U8|S8|U16|S16|64|128))?", op):
+        width = {None: 4, "U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}[m.group(1)]
+        return 32 * width, 0
+    if m := re.match(r"HGMMA\.64\s*x(\d+)x(\d+)\.\w+\.(\w+)\s*(.*)", op + operands):
+        n, k, elem = int(m.group(1)), int(m.group(2)), 2 if "16" in m.group(3) else 1
+        a_in_smem = m.group(4).split(",")[1].strip().startswith("gdesc")
+        return 0, (64 * k * a_in_smem + n * k) * elem
+    return 0, 0
+
+
+def kv_smem_read_bytes(text: str, num_warps: int) -> int:
+    """Shared-memory bytes one iteration of a program's K/V loop reads (``_smem_read_bytes`` of
+    its body, over its warps and warp groups): a tile several warps read is counted once a warp,
+    as the hardware reads it. The K/V tile's copy in (cp.async) is not counted."""
+    lo, hi = _kv_loop(*_sass_loops(text))
+    warp = group = 0
+    for a, op, operands in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text):
+        if lo <= int(a, 16) <= hi:
+            w, g = _smem_read_bytes(op, operands)
+            warp, group = warp + w, group + g
+    return warp * num_warps + group * (num_warps // 4)
+
+
 def _registers(operands: str) -> set[int]:
     """General registers an operand list names (``R7``, a pair ``R6.64``; not ``UR``/``RZ``)."""
     regs = set()
