@@ -56,14 +56,15 @@ def _lean(s: Inputs):
 
 
 # MLA ablations: lean with its sm_90 entry changed, to tell the choices apart on a GPU. 16-row
-# blocks (sm_80's) read each latent row once a 16-row block (128 heads: 8 times, not 2); 64-key
-# blocks at 16 rows (254 registers, no spill, 169 KB of shared memory: kernel report) halve the
-# iterations of a loop bound by its iteration time (BENCHMARKS.md, "MLA decode"); at most 16
-# programs an output (64 by default) trade the loop's parallelism at small batches for a merge of
-# fewer 128 KB partials, the time of DP attention's B=1 rows.
+# blocks (sm_80's) read each latent row once a 16-row block (128 heads: 8 times, not 2); 32-key
+# blocks at 16 rows (the entry's block_n, not its narrow_block_n) are the loop the first H200
+# record measured, against which 64-key blocks (644 SASS an iteration against 2 x 501: kernel
+# report) are modelled; at most 16 programs an output (64 by default) trade the loop's
+# parallelism at small batches for a merge of fewer 128 KB partials, the time of DP attention's
+# B=1 rows.
 MLA_ABLATIONS = {
     "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
-    "lean-rows16-keys64": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None, block_n=64),
+    "lean-keys32": dict(narrow_block_n=None),
     "lean-contributors16": dict(max_contributors=16),
 }
 

@@ -141,8 +141,9 @@ def _stream_rates(
     that come from HBM (``l2.hbm_share``), at most the L2's read bandwidth. Every method gets
     this model; ``loop`` (µs an iteration of block_n keys, ``gpus.LOOP_US``) caps each program
     at a block an iteration where the kernel's loop is measured to be slower than its bytes."""
-    config = lean_variant(problem, gpu).config
-    block = config.block_n * problem.bytes_per_token
+    variant = lean_variant(problem, gpu)
+    config = variant.config
+    block = variant.constexprs["BLOCK_N"] * problem.bytes_per_token
     in_flight = max(1, config.num_stages - 1) * block
     per_program = min(in_flight / gpu.hbm_latency_us, block / loop if loop else float("inf"))
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * per_program) for n in n_on_sm]
@@ -221,7 +222,7 @@ def lean_sim_schedule(
         for segments in programs
     ]
 
-    loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], config.block_n)
+    loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], cx["BLOCK_N"])
 
     def clocks_at(from_hbm: float) -> list:
         rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop)
