@@ -540,6 +540,17 @@ def test_deterministic_sweep_rejects_flags_it_does_not_use(argv, flag, capsys):
     assert exit_info.value.code == 2 and len(err) == 1 and f"argument {flag}: expected" in err[0]
 
 
+def test_the_invariant_variant_streams_at_its_own_blocks_rate():
+    """The batch-invariant variant decodes each of Tq tokens as a 16-row block of its own, whose
+    keys an iteration (sm_90's MLA ``narrow_block_n``: 64) differ from the default variant's at
+    Tq x 16 rows (32): its rate is its own blocks' (``gpus.LOOP_US``), so verifying 2 tokens
+    costs twice a one-token decode where the loop is the time (B=32, 32k)."""
+    mla = dict(n_heads=16, n_kv_heads=1, head_dim=576, elem_size=2, head_dim_v=512)
+    one = lean_sim_schedule(Problem((32768,) * 32, **mla), GPUS["H100"]).time_us
+    two = lean_sim_schedule(Problem((32768,) * 32, **mla, num_tokens=2), GPUS["H100"], batch_invariant=True)
+    assert 1.9 <= two.time_us / one <= 2.1, (one, two.time_us)
+
+
 def test_lean_mla_model_against_the_h200_record(monkeypatch):
     """Where MLA's K/V loop bounds lean (B=32: every SM busy), the model with the loop times of
     ``gpus.LOOP_US`` gives the H200 record's times within 0.9-1.2x; these are 1.8x (16 heads,
