@@ -277,8 +277,8 @@ _MLA_ROWS64 = (
 # 36 dependent multiply-adds a warp (576 columns / 16) however many keys a block holds. At 32-key
 # blocks warps 4-7 repeat warps 0-3's tiles, and each of the 8 warps reads all of q (16 x 576, 18 KB)
 # from shared memory every iteration. 64-key blocks give each warp 8 keys of its own: on sm_90 at 16
-# rows 644 SASS and 157 KB of shared-memory reads an iteration (254 registers, no K/V-loop spill, 2
-# K/V buffers, 169 KB of shared memory) against 2 x 501 and 2 x 274 KB for two 32-key iterations
+# rows 644 SASS and 306 KB of shared-memory reads an iteration (254 registers, no K/V-loop spill, 2
+# K/V buffers, 165 KB of shared memory) against 2 x 501 and 2 x 266 KB for two 32-key iterations
 # (e4m3: 791 against 2 x 562; kernel report). The simulator's loop time for it is the measured
 # 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
 # blocks of 64 rows take 304 KB of shared memory.
