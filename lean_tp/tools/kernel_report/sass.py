@@ -63,6 +63,18 @@ def _kv_loop(code: list[tuple[int, str]], innermost: list[tuple[int, int]]) -> t
     return max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
 
 
+def _kv_loop_instructions(text: str) -> list[tuple[str, str]]:
+    """(opcode, operands) of each instruction of the K/V loop (``_kv_loop``), in order."""
+    lo, hi = _kv_loop(*_sass_loops(text))
+    return [
+        (op, operands)
+        for a, op, operands in re.findall(
+            r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text
+        )
+        if lo <= int(a, 16) <= hi
+    ]
+
+
 def kv_loop_of_sass(text: str) -> tuple[int, int]:
     """(instructions, LDL/STL) of the K/V loop (``_kv_loop``) in ``cuobjdump -sass`` output."""
     code, innermost = _sass_loops(text)
@@ -107,12 +119,10 @@ def kv_smem_read_bytes(text: str, num_warps: int) -> int:
     """Shared-memory bytes one iteration of a program's K/V loop reads (``_smem_read_bytes`` of
     its body, over its warps and warp groups): a tile several warps read is counted once a warp,
     as the hardware reads it. The K/V tile's copy in (cp.async) is not counted."""
-    lo, hi = _kv_loop(*_sass_loops(text))
     warp = group = 0
-    for a, op, operands in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text):
-        if lo <= int(a, 16) <= hi:
-            w, g = _smem_read_bytes(op, operands)
-            warp, group = warp + w, group + g
+    for op, operands in _kv_loop_instructions(text):
+        w, g = _smem_read_bytes(op, operands)
+        warp, group = warp + w, group + g
     return warp * num_warps + group * (num_warps // 4)
 
 
@@ -134,17 +144,7 @@ def page_id_timing(text: str) -> tuple[int, int]:
     later instruction of the loop body reads its register before any writes it; otherwise the
     value is carried to the next iteration, which is what hides its latency.
     """
-    lo, hi = _kv_loop(*_sass_loops(text))
-    body = [
-        (op, rest)
-        for a, op, rest in (
-            (int(a, 16), op, rest)
-            for a, op, rest in re.findall(
-                r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", text
-            )
-        )
-        if lo <= a <= hi
-    ]
+    body = _kv_loop_instructions(text)
     loads = same = 0
     for i, (op, rest) in enumerate(body):
         loads += op == "LDGSTS.E"
