@@ -134,20 +134,19 @@ def _stream_rates(
     programs_per_sm: int,
     from_hbm: float = 1.0,
     loop: float | None = None,
-    block_n: int | None = None,
+    variant: KernelVariant | None = None,
 ) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing in
     proportion what the device streams: the copy bandwidth over the share ``from_hbm`` of bytes
     that come from HBM (``l2.hbm_share``), at most the L2's read bandwidth. Every method gets
-    this model, with lean's default variant's blocks and stages unless ``block_n`` gives the keys
-    of the variant that runs (lean's invariant one); ``loop`` (µs an iteration of such a block,
-    ``gpus.LOOP_US``) caps each program at a block an iteration where the kernel's loop is
-    measured to be slower than its bytes."""
-    variant = lean_variant(problem, gpu)
-    config = variant.config
-    block = (block_n or variant.constexprs["BLOCK_N"]) * problem.bytes_per_token
-    in_flight = max(1, config.num_stages - 1) * block
+    this model, with the blocks and stages of ``variant`` (lean's that runs), else of lean's
+    default variant; ``loop`` (µs an iteration of such a block, ``gpus.LOOP_US``) caps each
+    program at a block an iteration where the kernel's loop is measured to be slower than its
+    bytes."""
+    variant = variant or lean_variant(problem, gpu)
+    block = variant.constexprs["BLOCK_N"] * problem.bytes_per_token
+    in_flight = max(1, variant.config.num_stages - 1) * block
     per_program = min(in_flight / gpu.hbm_latency_us, block / loop if loop else float("inf"))
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * per_program) for n in n_on_sm]
     device = min(gpu.l2_read_tbps, gpu.hbm_tbps / from_hbm) * 1e6
@@ -228,7 +227,7 @@ def lean_sim_schedule(
     loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], cx["BLOCK_N"])
 
     def clocks_at(from_hbm: float) -> list:
-        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop, cx["BLOCK_N"])
+        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop, variant)
         return [
             _shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0)
             for sm in range(sms)
