@@ -203,8 +203,7 @@ def test_a_token_verified_among_drafts_gets_its_decode_rows_from_lean(models, in
     def checked(q, k_cache, v_cache, seq_lens, **kw):
         out = real(q, k_cache, v_cache, seq_lens, **kw)
         assert kw["batch_invariant"]
-        call = (tuple(q.shape), tuple(seq_lens.tolist()))
-        if q.dim() == 4 and call not in seen:
+        if q.dim() == 4 and (call := (tuple(q.shape), tuple(seq_lens.tolist()))) not in seen:
             seen.add(call)
             tq = q.shape[1]
             for t in range(tq):

@@ -133,10 +133,9 @@ class DecodeConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name}: expected a power of two >= 16, got {value}")
         for name in ("block_n", "narrow_block_n"):
-            if self.tile_n % (getattr(self, name) or self.block_n):
-                raise ValueError(
-                    f"DecodeConfig.tile_n: expected a multiple of {name}={getattr(self, name)}, got {self.tile_n}"
-                )
+            keys = getattr(self, name)
+            if keys and self.tile_n % keys:
+                raise ValueError(f"DecodeConfig.tile_n: expected a multiple of {name}={keys}, got {self.tile_n}")
         if self.max_contributors < 2:  # the schedule's cost rule divides by max_contributors - 1
             raise ValueError(f"DecodeConfig.max_contributors: expected an int >= 2, got {self.max_contributors}")
 
