@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_tp.py"
 WORKER = ROOT / "tests" / "tp_worker.py"
 RAGGED = "1,17,64,65"  # one-token prompt, and lengths around a 64-token block
+# One worker runs every multi-process test (this module's and DeepSpeed's): 8 gloo ranks beside
+# DeepSpeed's spinning shared-memory all-reduce on a 2-core machine slowed each several-fold.
+pytestmark = pytest.mark.xdist_group("ranks")
 
 
 def _run(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -76,6 +76,7 @@ def _torchrun(script: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ.copy())
 
 
+@pytest.mark.xdist_group("ranks")  # test_decode_tp.py says why
 def test_tp2_decode_runs_on_the_lean_op_with_local_heads():
     before = set(glob.glob(SHM))
     proc = _torchrun(ROOT / "tests" / "ds_worker.py")
@@ -87,6 +88,7 @@ def test_tp2_decode_runs_on_the_lean_op_with_local_heads():
     assert set(glob.glob(SHM)) <= before
 
 
+@pytest.mark.xdist_group("ranks")
 def test_deepspeed_launcher_runs_the_example():
     """The example under DeepSpeed's own launcher (which passes --local_rank), checked against the
     unsharded model; torchrun's environment is test_tp2_decode_runs_on_the_lean_op_with_local_heads's."""
