@@ -264,10 +264,18 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
 # 128 heads and Tq 4 reload 4-6 loop-invariant words an iteration; kernel report). The batch-invariant variant keeps 16-row blocks: its
-# loop holds two states, two 64 x 512 fp32 accumulators at 64 rows. sm_80 keeps 16-row blocks:
-# 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16- and
-# 32-key blocks, 3-5 stages tried).
+# loop holds two states, two 64 x 512 fp32 accumulators at 64 rows. sm_80 runs blocks of up to 32
+# rows: 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16-
+# and 32-key blocks, 3-5 stages, 16 warps tried). 32-row blocks (scores keys-major, merge slices of
+# 4096) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
+# 32-key iteration against 2 x 459 for two 16-row blocks (e4m3 649 against 2 x 565; paged16), and
+# read 13.6 KB of shared memory a key against 2 x 8.8 KB: 128 heads read each latent row 4 times,
+# not 8. Its batch-invariant variant keeps 16 rows (32 spill 30 times an iteration).
 _MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
+_MLA_ROWS32 = (
+    "; 8 warps, 32-row blocks (scores K q^T, merge slices of 4096): no K/V-loop spill, 1 program/SM; "
+    "invariant variant 16-row blocks (kernel report)"
+)
 _MLA_ROWS64 = (
     "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merge slices of 4096): no K/V-loop spill at "
     "16 bits, 1 program/SM; invariant variant 16-row blocks (kernel report)"
@@ -579,14 +587,17 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm80", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
-        max_block_g=16,
+        max_block_g=32,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         paged_stages=5,
         head_dim_v=512,
-        reason=_MLA + _MLA_ROWS + _AHEAD,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
+        reason=_MLA + _MLA_ROWS32 + _AHEAD,
     ),
     ("sm90", 576, 2): DecodeConfig(
         tile_n=64,
@@ -607,14 +618,17 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
         block_n=32,
-        max_block_g=16,
+        max_block_g=32,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
         merge_wave_elems=8192,
         paged_stages=5,
         head_dim_v=512,
-        reason=_MLA + _MLA_ROWS + _MLA_FP8_SM80 + _AHEAD,
+        scores_t_rows=32,
+        merge_slice_elems=4096,
+        invariant_max_block_g=16,
+        reason=_MLA + _MLA_ROWS32 + _MLA_FP8_SM80 + _AHEAD,
     ),
     ("sm90", 576, 1): DecodeConfig(
         tile_n=64,
@@ -673,6 +687,22 @@ TUNING_TABLE |= {
         TUNING_TABLE[("sm80", 256, 1)], block_n=32, reason=_FP8 + _SMEM99 + _FITS + _AHEAD
     )
     for arch in ("sm86", "sm89", "sm120")
+}
+
+# MLA on the 99 KB parts: sm_80's 32-row blocks stage 108-111 KB, so they keep 16-row blocks
+# (90-92 KB, no K/V-loop spill; kernel report --archs).
+TUNING_TABLE |= {
+    (arch, 576, elem): dataclasses.replace(
+        TUNING_TABLE[("sm80", 576, elem)],
+        max_block_g=16,
+        scores_t_rows=None,
+        merge_slice_elems=None,
+        invariant_max_block_g=None,
+        reason=TUNING_TABLE[("sm80", 576, elem)].reason.replace(_MLA_ROWS32, _MLA_ROWS)
+        + "; 99 KB a block: 16-row blocks (32-row blocks stage 108-111 KB; kernel report)",
+    )
+    for arch in ("sm86", "sm89", "sm120")
+    for elem in (1, 2)
 }
 
 # fp32 D=128 on sm_86 and sm_89: sm_80's 32-key blocks take 255 registers there and spill in the

@@ -303,7 +303,7 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout; and each other kind of job (a
     feature or variant: the job without its arch and head dim) on one head dim, rotating over the
     head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
-    sm_80 converts e4m3 bytes by hand) and for one arch, alternating, where it does not; a
+    sm_80 converts e4m3 bytes by hand; MLA's 128 heads: 64- or 32-row blocks) and for one arch, alternating, where it does not; a
     batch-invariant variant on its default-mode kernel's head dims and archs."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
@@ -311,8 +311,8 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
         # the contiguous and paged16 layouts and their e4m3 rows, the rest is the full report's.
         if paired_head_dim_v(job[1]) and (job[3] == "paged64" or job[7] not in ("", "fp8_e4m3") or job[2] == "bf16"):
             continue
-        if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[0], job[7]) != (128, "sm90", ""):
-            continue  # of the other ranks' groups, sm_90's 128 at 16 bits (two 64-row blocks)
+        if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[7]) != (128, ""):
+            continue  # of the other ranks' groups, 128 at 16 bits (sm_90: two 64-row blocks; sm_80: four of 32)
         if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
                 entry, layout = divmod(fp32_seen, len(LAYOUTS))
@@ -326,7 +326,7 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     for kind, same_kind in kinds.items():
         # A batch-invariant variant takes its default-mode kernel's pick, which the tests compare it with.
         i = order.get((*kind[:-1], INVARIANT_BASE.get(kind[-1])), order[kind])
-        by_arch = "fp8" in kind[-1] or kind[-1] == "all"
+        by_arch = "fp8" in kind[-1] or kind[-1] == "all" or kind[2] == 128  # 128: MLA's rows differ by arch
         for arch in REPORT_ARCHS if by_arch else (REPORT_ARCHS[i % 2],):
             of_arch = [j for j in same_kind if j[0] == arch]
             if of_arch:
