@@ -270,7 +270,10 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 4096) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
 # 32-key iteration against 2 x 459 for two 16-row blocks (e4m3 649 against 2 x 565; paged16), and
 # read 13.6 KB of shared memory a key against 2 x 8.8 KB: 128 heads read each latent row 4 times,
-# not 8. Its batch-invariant variant keeps 16 rows (32 spill 30 times an iteration).
+# not 8. Its batch-invariant variant keeps 16 rows (32 spill 30 times an iteration). The cost is the
+# merge of wider partials where an output is split (64 KB a contributor): the simulator's A100
+# gives DeepSeek-V3 DP at B >= 32 0.50-1.01x FlashMLA against 0.25-0.53x, and B=1 at 4k 21.8 us
+# against 14.5 (sm_90's 64-row blocks measured the same trade on an H200: BENCHMARKS.md).
 _MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
 _MLA_ROWS32 = (
     "; 8 warps, 32-row blocks (scores K q^T, merge slices of 4096): no K/V-loop spill, 1 program/SM; "
