@@ -6,9 +6,10 @@ import triton
 if triton.knobs.runtime.interpret:  # TRITON_INTERPRET=1: check the stack before any kernel is defined
     import numpy
 
-    from lean_tp.ops.utils import check_interpreter_numpy
+    from lean_tp.ops.utils import check_interpreter_numpy, interpret_device_calls_once
 
     check_interpreter_numpy(triton.__version__, numpy.__version__)
+    interpret_device_calls_once()
 
 from lean_tp.ops.decode_attention import decode_attention  # noqa: E402
 from lean_tp.ops.merge_attention import merge_attention  # noqa: E402
