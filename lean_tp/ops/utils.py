@@ -62,6 +62,8 @@ class _NothingToRestore:
 
 
 def _patch_lang_once(fn):
+    """The interpreter's patcher for ``fn``'s language modules, unless the running launch has
+    patched those modules already: then a scope with nothing to restore."""
     import triton.language as tl
 
     langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
