@@ -126,7 +126,7 @@ def tp_sweep_problems(tp: int) -> list[tuple[str, int, int, Problem]]:
 
 # --deterministic-sweep's TP-8 subset: the Llama-3-70B / Qwen2.5-72B rank (8 query heads over 1 KV
 # head; Llama-3-8B's and Mixtral's rank of 4 query heads gives the engines the same CTAs), every
-# batch, 4 of the 6 contexts, so that the sweep with the paper's shapes runs in ~6 minutes on 2 cores.
+# batch, 4 of the 6 contexts, so that the sweep with the paper's shapes runs in ~3 minutes on 2 cores.
 DETERMINISTIC_TP8_MODELS = ("llama-3-70b", "qwen2.5-72b")
 DETERMINISTIC_CONTEXTS = (1024, 16384, 262144, 1048576)
 
