@@ -232,12 +232,12 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
     (fp8, Tq 4, the invariant mode, all of them) keeps its K/V loop free of spills, copies the
     latent columns 16 bytes at a time and holds 2 K/V buffers, at least twice what Little's law asks
     of an SM (32-key fp8 blocks: 2.3x). sm_90's 16-row blocks take 64 keys (``narrow_block_n``),
-    reading under 6000 bytes of shared memory a key (32-key blocks: 8512, paged64). The second load width is the rope
-    columns': 64 x elem bytes a key over the 256 threads, at most 16 (fp8, 32 keys: 8). The tests
-    compile the contiguous and paged16 rows and e4m3's (``sample_jobs``), and DP attention's 128
-    heads at 16 bits: two 64-row blocks on sm_90, four of 32 on sm_80; docs/kernel_report.md has every layout
-    and feature, and groups 64 and 128 on both archs (sm_90's 64-row e4m3 and Tq 4 rows reload a
-    few loop-invariant words an iteration there)."""
+    reading under 6000 bytes of shared memory a key (32-key blocks: 8512, paged64). The second
+    load width is the rope columns': 64 x elem bytes a key over the 256 threads, at most 16 (fp8,
+    32 keys: 8). The tests compile the contiguous and paged16 rows and e4m3's (``sample_jobs``),
+    and DP attention's 128 heads at 16 bits: two 64-row blocks on sm_90, four of 32 on sm_80;
+    docs/kernel_report.md has every layout and feature, and groups 64 and 128 on both archs
+    (sm_90's 64-row e4m3 and Tq 4 rows reload a few loop-invariant words an iteration there)."""
     rows = [s for s in stats if s.arch == arch and s.head_dim == 576]
     assert {s.layout for s in rows if not s.features} == {"contiguous", "paged16"}, rows
     assert "fp8_e4m3" in {s.features for s in rows}, rows

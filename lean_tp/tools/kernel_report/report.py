@@ -300,11 +300,12 @@ def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> lis
 
 def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     """What the CPU tests compile, a third of ``--variants``: the one-token decode rows of every
-    16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout; and each other kind of job (a
-    feature or variant: the job without its arch and head dim) on one head dim, rotating over the
-    head dims from kind to kind, for both archs where the arch changes the code it compiles (fp8:
-    sm_80 converts e4m3 bytes by hand; MLA's 128 heads: 64- or 32-row blocks) and for one arch, alternating, where it does not; a
-    batch-invariant variant on its default-mode kernel's head dims and archs."""
+    16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout;
+    and each other kind of job (a feature or variant: the job without its arch and head dim) on one
+    head dim, rotating over the head dims from kind to kind, for both archs where the arch changes
+    the code it compiles (fp8: sm_80 converts e4m3 bytes by hand; MLA's 128 heads: 64- or 32-row
+    blocks) and for one arch, alternating, where it does not; a batch-invariant variant on its
+    default-mode kernel's head dims and archs."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
         # MLA's kernels take about 3x a D=128 kernel's compile: the sample keeps their 16-bit rows on
