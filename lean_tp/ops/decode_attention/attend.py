@@ -162,17 +162,18 @@ def _per_key(x, SCORES_T: tl.constexpr):
 
 
 @triton.jit
-def q_operands(b_q, b_qt, SCORES_T: tl.constexpr):
-    """q's dot operands for the K/V loop (``rows.load_q``'s b_q, b_qt), transposed with SCORES_T.
+def q_operands(b_q, b_qo, b_qt, SCORES_T: tl.constexpr):
+    """q's dot operands for the K/V loop (``rows.load_q``'s b_q, b_qo, b_qt), transposed with
+    SCORES_T.
 
     Called before the loop: the transpose of a value held in registers is a copy through shared
     memory, which Triton then keeps for the loop's dots to read (one copy per segment); a
     transpose inside the loop copies q there on every block (sm_90, 64-row blocks: 290 local
     accesses an iteration; kernel report)."""
     if SCORES_T:
-        return tl.trans(b_q), tl.trans(b_qt)
+        return tl.trans(b_q), tl.trans(b_qo), tl.trans(b_qt)
     else:
-        return b_q, b_qt
+        return b_q, b_qo, b_qt
 
 
 @triton.jit
@@ -192,12 +193,14 @@ def attend_block(
     b_m,
     b_l,
     b_q,
+    b_qo,
     b_qt,
     k_ptr,
     v_ptr,
     bt_ptr,
     b,
     h_kv,
+    d_own,
     n_base,
     n0,
     n_hi,
@@ -227,11 +230,13 @@ def attend_block(
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
     SCORES_T: tl.constexpr,
+    NUM_VC: tl.constexpr,
 ):
     """The state (acc [BLOCK_G, BLOCK_D], m, l [BLOCK_G]) after keys [n0, min(n0 + BLOCK_N, n_hi))
     are added to it: one iteration of the K/V loop (``attend_segment`` gives the arguments)."""
     # A cache of 4-byte words (E4M3_BITS, see _upcast) has a quarter of the columns.
     PER_COL: tl.constexpr = 4 if k_ptr.dtype.element_ty == tl.int32 else 1
+    UNIT_D: tl.constexpr = HEAD_DIM // NUM_VC  # V's columns of the head unit
     o_d = tl.arange(0, BLOCK_D // PER_COL)
     o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < n_hi
@@ -243,10 +248,17 @@ def attend_block(
         bt_ptr, b, n_base + n0, n_base + o_n, m_n, stride_bt, num_pages, PAGED, PAGE_SIZE, BLOCK_IN_PAGE
     )
     o_k = o_row * stride_kb + o_pos * stride_kn + tl.cast(h_kv, tl.int64) * stride_kh
-    p_k = k_ptr + o_k[:, None] + o_d[None, :]
-    p_v = v_ptr + (o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh)[:, None] + o_d[None, :]
-    b_k = _upcast(load_rows(p_k, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+    p_k = k_ptr + o_k[:, None] + d_own // PER_COL + o_d[None, :]
+    o_v = o_row * stride_vb + o_pos * stride_vn + tl.cast(h_kv, tl.int64) * stride_vh
+    p_v = v_ptr + o_v[:, None] + d_own // PER_COL + o_d[None, :]
+    b_k = _upcast(load_rows(p_k, m_n, o_d, UNIT_D // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
     b_s = _qk(b_q, b_k, None, DOT_PRECISION, SCORES_T)
+    if NUM_VC == 2:
+        # The other column block's part of the score, added to this one's: a sum the two blocks
+        # form alike (addition commutes), so their scores, m and l are the same bits.
+        p_ko = k_ptr + o_k[:, None] + (BLOCK_D - d_own) // PER_COL + o_d[None, :]
+        b_ko = _upcast(load_rows(p_ko, m_n, o_d, BLOCK_D // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        b_s = b_s + _qk(b_qo, b_ko, None, DOT_PRECISION, SCORES_T)
     if HEAD_DIM_T > 0:
         o_dt = tl.arange(0, BLOCK_DT // PER_COL)
         p_kt = k_ptr + o_k[:, None] + (HEAD_DIM // PER_COL + o_dt)[None, :]
@@ -270,7 +282,7 @@ def attend_block(
     if V_IN_K:
         b_v = b_k
     else:
-        b_v = _upcast(load_rows(p_v, m_n, o_d, HEAD_DIM // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
+        b_v = _upcast(load_rows(p_v, m_n, o_d, UNIT_D // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
     b_p = b_p.to(b_q.dtype)
     if SCORES_T:  # P.V's A operand is [BLOCK_G, BLOCK_N]
         b_p = tl.trans(b_p)
@@ -290,12 +302,14 @@ def bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE: tl
 @triton.jit
 def attend_segment(
     b_q,
+    b_qo,
     b_qt,
     k_ptr,
     v_ptr,
     bt_ptr,
     b,
     h_kv,
+    d_own,
     n_base,
     n_lo,
     n_hi,
@@ -326,13 +340,16 @@ def attend_segment(
     BLOCK_DT: tl.constexpr,
     V_IN_K: tl.constexpr,
     SCORES_T: tl.constexpr,
+    NUM_VC: tl.constexpr,
 ):
     """Un-normalized partial (acc [BLOCK_G, BLOCK_D], m [BLOCK_G], l [BLOCK_G]) over keys [n_lo, n_hi).
 
     Key i sits at cache position n_base + i. V has HEAD_DIM columns, K those and HEAD_DIM_T more
-    (MLA's rope dims; b_qt holds q's, ``rows.load_q``): the score takes both dots. With V_IN_K, V
-    is K's first HEAD_DIM columns (a latent cache): the K tile loaded for the score is the V tile,
-    so each key's row is read once for both products. With ROW_MASK (several query tokens) row g sees only
+    (MLA's rope dims; b_qt holds q's, ``rows.load_q``): the score takes both dots. With NUM_VC = 2
+    the partial holds V's columns [d_own, d_own + BLOCK_D) (b_q's), and the score adds the other
+    half's product (b_qo's) to this half's, so both column blocks compute the same scores, m and
+    l. With V_IN_K, V is K's first HEAD_DIM columns (a latent cache): the K tile loaded for the
+    score is the V tile, so each key's row is read once for both products. With ROW_MASK (several query tokens) row g sees only
     keys [b_lo[g], b_hi[g]), so a row may see none of a block or of the whole range: its m stays
     -inf and its l 0, and its exponentials are taken against 0 instead of -inf. Without it every
     row sees every key, and the caller guarantees n_lo < n_hi, so m is finite after the first block.
@@ -348,19 +365,21 @@ def attend_segment(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    b_q, b_qt = q_operands(b_q, b_qt, SCORES_T)
+    b_q, b_qo, b_qt = q_operands(b_q, b_qo, b_qt, SCORES_T)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         b_acc, b_m, b_l = attend_block(
             b_acc,
             b_m,
             b_l,
             b_q,
+            b_qo,
             b_qt,
             k_ptr,
             v_ptr,
             bt_ptr,
             b,
             h_kv,
+            d_own,
             n_base,
             n0,
             n_hi,
@@ -390,6 +409,7 @@ def attend_segment(
             BLOCK_DT,
             V_IN_K,
             SCORES_T,
+            NUM_VC,
         )
     if PAGED:
         bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)

@@ -130,12 +130,14 @@ def attend_chunks(
     wherever the range begins."""
     g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
     c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
-    b_q, b_qt = q_operands(b_q, b_qt, SCORES_T)
+    # The batch-invariant variant computes whole rows (DecodeConfig.v_col_blocks): one column block.
+    b_q, _, b_qt = q_operands(b_q, b_q, b_qt, SCORES_T)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         c_acc, c_m, c_l = attend_block(
             c_acc,
             c_m,
             c_l,
+            b_q,
             b_q,
             b_qt,
             k_ptr,
@@ -143,6 +145,7 @@ def attend_chunks(
             bt_ptr,
             b,
             h_kv,
+            0,
             n_base,
             n0,
             n_hi,
@@ -172,6 +175,7 @@ def attend_chunks(
             BLOCK_DT,
             V_IN_K,
             SCORES_T,
+            1,
         )
         if ((n0 + BLOCK_N) % TILE_N == 0) | (n0 + BLOCK_N >= n_hi):  # chunk n0 // TILE_N ends here
             chunk = n0 // TILE_N

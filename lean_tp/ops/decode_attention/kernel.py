@@ -5,7 +5,8 @@ partial with the K/V loop (attend.py) and merges split outputs (merge.py; invari
 batch-invariant mode). The LSE is kept in the log2 domain until it is stored.
 
 A head unit's rows (rows.py) are the query tokens x the GQA group of one KV head, padded to
-BLOCK_G; head dims that are not a power of two are padded to BLOCK_D with masked loads. In the
+BLOCK_G, and its columns of V all of them or, with NUM_VC = 2, one half (BLOCK_D each); head dims
+that are not a power of two are padded to BLOCK_D with masked loads. In the
 batch-invariant mode a Tq-token call is scheduled as Tq one-token decodes (SEQ_TOKENS = TQ, each
 token over the keys up to its own: docs/design.md), so a token's bits are its decode's.
 """
@@ -16,7 +17,14 @@ import triton.language as tl
 from lean_tp.ops.decode_attention.attend import attend_segment, kv_scale
 from lean_tp.ops.decode_attention.invariant import attend_invariant
 from lean_tp.ops.decode_attention.merge import finish_split
-from lean_tp.ops.decode_attention.rows import load_q, row_bounds, seq_base, store_output, write_empty_sequences
+from lean_tp.ops.decode_attention.rows import (
+    load_q,
+    row_bounds,
+    seq_base,
+    store_output,
+    unit_cols,
+    write_empty_sequences,
+)
 from lean_tp.ops.decode_attention.schedule import cdiv, next_unit, program_range, tiled_span
 
 # Values that change with the batch, the grid, the cache allocation or the model: specializing on
@@ -94,6 +102,7 @@ def decode_attention_fwd_kernel(
     SCORES_T: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     LANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -160,6 +169,10 @@ def decode_attention_fwd_kernel(
     # start at position 0), so pages of BLOCK_N keys or more hold whole blocks: one page id a block.
     BLOCK_IN_PAGE: tl.constexpr = PAGED and PAGE_SIZE >= BLOCK_N and not HAS_LEFTPAD and not HAS_WINDOW
     ROWS_TQ: tl.constexpr = TQ // SEQ_TOKENS  # query tokens in a head unit's rows
+    # The next unit's q is requested before this segment's result is stored or merged, except in
+    # column blocks (NUM_VC = 2): there q (BLOCK_G x 576, 144 registers a thread at 128 rows) would
+    # be live beside the accumulator (128), which spills.
+    Q_AHEAD: tl.constexpr = NUM_VC == 1
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     NS = B * SEQ_TOKENS
@@ -169,7 +182,7 @@ def decode_attention_fwd_kernel(
     total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
         pid, seqlens_ptr, NS, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
     )
-    b_q, b_qt = load_q(
+    b_q, b_qo, b_qt = load_q(
         q_ptr,
         b,
         hu,
@@ -184,6 +197,7 @@ def decode_attention_fwd_kernel(
         BLOCK_D,
         BLOCK_G,
         NUM_GC,
+        NUM_VC,
         HEAD_DIM_T,
         BLOCK_DT,
     )
@@ -196,9 +210,9 @@ def decode_attention_fwd_kernel(
         out_start = t - tile
         seg_end = tl.minimum(t1, out_start + n_tiles)
         h_kv = hu // NUM_GC
-        b_lo, b_hi = row_bounds(hu, span, window, GROUP, ROWS_TQ, BLOCK_G, NUM_GC, HAS_WINDOW)
+        b_lo, b_hi = row_bounds(hu, span, window, GROUP, ROWS_TQ, BLOCK_G, NUM_GC, NUM_VC, HAS_WINDOW)
         k_scale = kv_scale(k_scale_ptr, h_kv, stride_ks, HAS_SCALES, E4M3_BITS)
-        n_rows = tl.minimum(ROWS_TQ * GROUP - (hu % NUM_GC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
+        n_rows = tl.minimum(ROWS_TQ * GROUP - (hu % NUM_GC // NUM_VC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
         if INVARIANT:
             do_store, b_acc, b_m, b_l = attend_invariant(
                 b_q,
@@ -263,12 +277,14 @@ def decode_attention_fwd_kernel(
         else:
             b_acc, b_m, b_l = attend_segment(
                 b_q,
+                b_qo,
                 b_qt,
                 k_ptr,
                 v_ptr,
                 bt_ptr,
                 b // SEQ_TOKENS,
                 h_kv,
+                unit_cols(hu, NUM_VC, BLOCK_D),
                 n_base + seq_len - span,
                 tile * TILE_N,
                 tl.minimum((tile + seg_end - t) * TILE_N, span),
@@ -299,53 +315,24 @@ def decode_attention_fwd_kernel(
                 BLOCK_DT,
                 V_IN_K,
                 SCORES_T,
+                NUM_VC,
             )
             if HAS_SCALES:
                 b_acc = b_acc * kv_scale(v_scale_ptr, h_kv, stride_vs, HAS_SCALES, E4M3_BITS)
         nb, nhu, n_seq_len = next_unit(b, hu, seq_len, seqlens_ptr, NS, HU, seg_end < t1, LANES)
-        b_q, b_qt = load_q(
-            q_ptr,
-            nb,
-            nhu,
-            seg_end < t1,
-            stride_qb,
-            stride_qt,
-            stride_qh,
-            GROUP,
-            TQ,
-            SEQ_TOKENS,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_G,
-            NUM_GC,
-            HEAD_DIM_T,
-            BLOCK_DT,
-        )
         n_base_next = seq_base(leftpad_ptr, nb // SEQ_TOKENS, seg_end < t1, HAS_LEFTPAD)
-        if not INVARIANT:
-            do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
-            if not do_store:  # the output's last merger stores it
-                finish_split(
-                    ws_acc_ptr,
-                    ws_ml_ptr,
-                    counter_ptr,
-                    out_ptr,
-                    lse_ptr,
-                    sinks_ptr,
-                    pid,
-                    slot,
-                    b,
-                    hu,
-                    out_start,
-                    n_tiles,
-                    total,
-                    n_active,
-                    num_programs,
-                    n_rows,
-                    b_acc,
-                    b_m,
-                    b_l,
-                    HKV * GROUP,
+        # The next unit's q is loaded before this segment's result is stored or merged (Q_AHEAD),
+        # or after it: the two steps in that order.
+        for step in tl.static_range(2):
+            if (step == 0) == Q_AHEAD:
+                b_q, b_qo, b_qt = load_q(
+                    q_ptr,
+                    nb,
+                    nhu,
+                    seg_end < t1,
+                    stride_qb,
+                    stride_qt,
+                    stride_qh,
                     GROUP,
                     TQ,
                     SEQ_TOKENS,
@@ -353,33 +340,71 @@ def decode_attention_fwd_kernel(
                     BLOCK_D,
                     BLOCK_G,
                     NUM_GC,
-                    HAS_SINKS,
-                    FANIN,
-                    WAVE,
-                    MERGE_COLS,
-                    LANES,
+                    NUM_VC,
+                    HEAD_DIM_T,
+                    BLOCK_DT,
                 )
-        if do_store:
-            store_output(
-                out_ptr,
-                lse_ptr,
-                sinks_ptr,
-                b,
-                hu,
-                b_acc,
-                b_m,
-                b_l,
-                0,
-                HKV * GROUP,
-                GROUP,
-                TQ,
-                SEQ_TOKENS,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_G,
-                NUM_GC,
-                HAS_SINKS,
-            )
+            else:
+                if not INVARIANT:
+                    do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
+                    if not do_store:  # the output's last merger stores it
+                        finish_split(
+                            ws_acc_ptr,
+                            ws_ml_ptr,
+                            counter_ptr,
+                            out_ptr,
+                            lse_ptr,
+                            sinks_ptr,
+                            pid,
+                            slot,
+                            b,
+                            hu,
+                            out_start,
+                            n_tiles,
+                            total,
+                            n_active,
+                            num_programs,
+                            n_rows,
+                            b_acc,
+                            b_m,
+                            b_l,
+                            HKV * GROUP,
+                            GROUP,
+                            TQ,
+                            SEQ_TOKENS,
+                            HEAD_DIM,
+                            BLOCK_D,
+                            BLOCK_G,
+                            NUM_GC,
+                            NUM_VC,
+                            HAS_SINKS,
+                            FANIN,
+                            WAVE,
+                            MERGE_COLS,
+                            LANES,
+                        )
+                if do_store:
+                    store_output(
+                        out_ptr,
+                        lse_ptr,
+                        sinks_ptr,
+                        b,
+                        hu,
+                        b_acc,
+                        b_m,
+                        b_l,
+                        unit_cols(hu, NUM_VC, BLOCK_D),
+                        HKV * GROUP,
+                        GROUP,
+                        TQ,
+                        SEQ_TOKENS,
+                        HEAD_DIM,
+                        BLOCK_D,
+                        BLOCK_G,
+                        NUM_GC,
+                        NUM_VC,
+                        HAS_SINKS,
+                    )
         t, b, hu, tile, seq_len, n_base, slot = seg_end, nb, nhu, tile * 0, n_seq_len, n_base_next, 1
     # Off the critical path: nothing waits on the outputs of empty sequences.
     write_empty_sequences(
@@ -398,5 +423,6 @@ def decode_attention_fwd_kernel(
         BLOCK_D,
         BLOCK_G,
         NUM_GC,
+        NUM_VC,
         HAS_SINKS,
     )

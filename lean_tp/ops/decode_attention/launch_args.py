@@ -156,9 +156,10 @@ def alloc_workspace(
     num_programs: int, block_g: int, head_dim: int, device: torch.device | str, group_slots: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials of two segments per program: acc (G, 2, BLOCK_G, BLOCK_D) and (m, l) (G, 2, 2, BLOCK_G),
-    fp32; BLOCK_D is head_dim (V's) padded as the kernel pads it. Its size depends on the grid alone,
-    never on lengths: a program contributes partials to at most two outputs, the one its range
-    starts in and the one it ends in.
+    fp32; BLOCK_D is head_dim (V's) padded as the kernel pads it (head units that hold half of V's
+    columns, ``rows.unit_cols``, lay their partials out half as wide, in the buffer's first half).
+    Its size depends on the grid alone, never on lengths: a program contributes partials to at
+    most two outputs, the one its range starts in and the one it ends in.
 
     With ``group_slots`` (``DecodePlan.group_slots``: the batch-invariant mode), acc (S, BLOCK_G,
     BLOCK_D) and (m, l) (S, 2, BLOCK_G) for S = G * INVARIANT_GROUP_CHUNKS + group_slots slots

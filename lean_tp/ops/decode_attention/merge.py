@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.attend import ref_max
-from lean_tp.ops.decode_attention.rows import store_output
+from lean_tp.ops.decode_attention.rows import store_output, unit_cols
 from lean_tp.ops.decode_attention.schedule import merge_group_of, program_of_tile, program_start
 
 
@@ -150,6 +150,7 @@ def finish_split(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     FANIN: tl.constexpr,
     WAVE: tl.constexpr,
@@ -211,7 +212,7 @@ def finish_split(
                     acc,
                     b_m,
                     b_l,
-                    c0,
+                    unit_cols(hu, NUM_VC, BLOCK_D) + c0,
                     HQ,
                     GROUP,
                     TQ,
@@ -220,6 +221,7 @@ def finish_split(
                     COLS,
                     BLOCK_G,
                     NUM_GC,
+                    NUM_VC,
                     HAS_SINKS,
                 )
             else:

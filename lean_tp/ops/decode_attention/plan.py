@@ -118,9 +118,10 @@ class KernelVariant:
         config, f = self.config, self.features
         rows = self.unit_tokens * self.group
         block_g = block_g_for(rows, config, f.batch_invariant)
-        row_blocks = math.ceil(rows / block_g)
+        col_blocks = config.v_col_blocks(block_g, f.batch_invariant)
+        units = math.ceil(rows / block_g) * col_blocks
         head_dim_v = self.head_dim_v or self.head_dim
-        block_d = padded_head_dim(head_dim_v)
+        block_d = padded_head_dim(head_dim_v) // col_blocks
         tail = self.head_dim - head_dim_v  # K's columns past V's
         paged = self.page_size is not None
         return {
@@ -131,12 +132,13 @@ class KernelVariant:
             "HEAD_DIM_T": tail,
             "BLOCK_DT": padded_head_dim(tail) if tail else 0,
             "V_IN_K": f.v_in_k,
-            "SCORES_T": config.scores_t_rows is not None and block_g >= config.scores_t_rows,
+            "SCORES_T": config.scores_t(block_g, f.batch_invariant),
             "BLOCK_G": block_g,
-            "NUM_GC": row_blocks,
-            # The schedule's lanes (schedule.py): a KV head's row blocks read each key together. The
+            "NUM_GC": units,
+            "NUM_VC": col_blocks,
+            # The schedule's lanes (schedule.py): a KV head's head units read each key together. The
             # batch-invariant mode's folds (folds.py) address one lane.
-            "LANES": 1 if f.batch_invariant else row_blocks,
+            "LANES": 1 if f.batch_invariant else units,
             "BLOCK_N": config.block_n_for(block_g),
             "TILE_N": config.tile_n,
             "PAGED": paged,
@@ -173,7 +175,8 @@ class KernelVariant:
 
     @property
     def row_blocks(self) -> int:
-        """Row blocks per KV head (``NUM_GC``)."""
+        """Head units per KV head (``NUM_GC``): its row blocks, each in ``NUM_VC`` column blocks.
+        Each reads every key of the KV head."""
         return self.constexprs["NUM_GC"]
 
     def compile_options(self) -> dict[str, int | bool]:
@@ -207,7 +210,7 @@ class DecodePlan:
 
     @property
     def head_units(self) -> int:
-        """Units of the schedule per schedule sequence: KV heads x row blocks per KV head."""
+        """Units of the schedule per schedule sequence: KV heads x head units per KV head."""
         return self.layout.num_kv_heads * self.kernel.row_blocks
 
     @property

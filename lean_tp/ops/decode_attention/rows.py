@@ -3,10 +3,12 @@ sees, the normalized output and lse.
 
 The rows of one head unit are the query tokens x the GQA group of one KV head of one of the
 schedule's sequences, token-major (row r is token r // GROUP, query head r % GROUP of the KV
-head), padded to BLOCK_G. A schedule sequence is a call's sequence with all its TQ tokens, or,
-with SEQ_TOKENS = TQ (the batch-invariant mode's verification, docs/design.md), one of its tokens:
-sequence s is token s % TQ of the call's sequence s // TQ, decoded over the keys up to and
-including its own, so its rows are those of that token's one-token decode.
+head), padded to BLOCK_G. A KV head has NUM_GC head units: its row blocks of BLOCK_G rows, each
+in NUM_VC column blocks (``unit_cols``) that hold V's columns in parts of BLOCK_D. A schedule
+sequence is a call's sequence with all its TQ tokens, or, with SEQ_TOKENS = TQ (the
+batch-invariant mode's verification, docs/design.md), one of its tokens: sequence s is token
+s % TQ of the call's sequence s // TQ, decoded over the keys up to and including its own, so its
+rows are those of that token's one-token decode.
 """
 
 import triton
@@ -19,9 +21,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def head_unit_rows(hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr):
+def head_unit_rows(
+    hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.constexpr, NUM_GC: tl.constexpr, NUM_VC: tl.constexpr
+):
     """Rows of head unit hu ([BLOCK_G] each): query token, query head, and whether the row is real."""
-    o_r = (hu % NUM_GC) * BLOCK_G + tl.arange(0, BLOCK_G)
+    o_r = (hu % NUM_GC // NUM_VC) * BLOCK_G + tl.arange(0, BLOCK_G)
     if TQ == 1:  # heads in a line: simpler address math, and padded rows need no wrap-around
         o_t = o_r * 0
         o_h = (hu // NUM_GC) * GROUP + o_r
@@ -29,6 +33,12 @@ def head_unit_rows(hu, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_G: tl.conste
         o_t = o_r // GROUP
         o_h = (hu // NUM_GC) * GROUP + o_r % GROUP
     return o_t, o_h, o_r < TQ * GROUP
+
+
+@triton.jit
+def unit_cols(hu, NUM_VC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The first of V's columns that head unit hu holds (BLOCK_D of them)."""
+    return hu % NUM_VC * BLOCK_D
 
 
 @triton.jit
@@ -40,10 +50,11 @@ def seq_rows(
     SEQ_TOKENS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
 ):
     """Rows of head unit hu of schedule sequence s: (the call's sequence, and per row [BLOCK_G]
     its query token, query head and whether the row is real)."""
-    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ // SEQ_TOKENS, BLOCK_G, NUM_GC)
+    o_t, o_h, m_g = head_unit_rows(hu, GROUP, TQ // SEQ_TOKENS, BLOCK_G, NUM_GC, NUM_VC)
     return s // SEQ_TOKENS, o_t + s % SEQ_TOKENS, o_h, m_g
 
 
@@ -66,14 +77,15 @@ def store_output(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     """Normalize and store the rows of head unit hu of schedule sequence s into out (B, TQ, HQ,
     HEAD_DIM) and lse (B, TQ, HQ), both contiguous: b_acc [BLOCK_G, BLOCK_D] holds columns
-    [c0, c0 + BLOCK_D) of the rows (c0 > 0: a merge's later column slice, which leaves the lse to
-    the first). A sink joins the denominator here, once per output; without sinks l == 0 (no key
-    seen) gives out 0 and lse -inf."""
-    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
+    [c0, c0 + BLOCK_D) of the rows (c0 > 0: a merge's later column slice or a later column block,
+    which leave the lse to the first; every column block's m and l are the same). A sink joins the
+    denominator here, once per output; without sinks l == 0 (no key seen) gives out 0 and lse -inf."""
+    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC, NUM_VC)
     o_d = c0 + tl.arange(0, BLOCK_D)
     if HAS_SINKS:
         b_sink = tl.load(sinks_ptr + o_h, mask=m_g, other=0.0) * LOG2E
@@ -108,6 +120,7 @@ def write_empty_sequences(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     """Zero-length schedule sequences (NS of them) own no tile; active programs share them
@@ -127,7 +140,7 @@ def write_empty_sequences(
                     b_zero,
                     b_none,
                     b_nol,
-                    0,
+                    unit_cols(hu, NUM_VC, BLOCK_D),
                     HKV * GROUP,
                     GROUP,
                     TQ,
@@ -136,6 +149,7 @@ def write_empty_sequences(
                     BLOCK_D,
                     BLOCK_G,
                     NUM_GC,
+                    NUM_VC,
                     HAS_SINKS,
                 )
 
@@ -165,28 +179,36 @@ def load_q(
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     HEAD_DIM_T: tl.constexpr,
     BLOCK_DT: tl.constexpr,
 ):
-    """The query rows of head unit hu of schedule sequence s, or nothing loaded when not ``valid``: b_q
-    [BLOCK_G, BLOCK_D], q's first HEAD_DIM columns (V's head dim), and b_qt [BLOCK_G, BLOCK_DT],
-    its HEAD_DIM_T columns after them (K's columns past V's; b_q again when there are none). In
-    q's dtype (fp32 for bf16 in the interpreter), zero past the rows and the columns."""
-    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC)
+    """The query rows of head unit hu of schedule sequence s, or nothing loaded when not ``valid``:
+    b_q [BLOCK_G, BLOCK_D], q's columns of V's that the unit holds (``unit_cols``: all HEAD_DIM,
+    V's head dim, with one column block); b_qo [BLOCK_G, BLOCK_D], the other column block's (b_q
+    again with one); b_qt [BLOCK_G, BLOCK_DT], q's HEAD_DIM_T columns after V's (K's columns past
+    V's; b_q again when there are none). In q's dtype (fp32 for bf16 in the interpreter), zero past
+    the rows and the columns."""
+    b, o_t, o_h, m_g = seq_rows(s, hu, GROUP, TQ, SEQ_TOKENS, BLOCK_G, NUM_GC, NUM_VC)
     o_d = tl.arange(0, BLOCK_D)
     o_q = tl.cast(b, tl.int64) * stride_qb + o_t.to(tl.int64) * stride_qt + o_h.to(tl.int64) * stride_qh
     m_q = m_g & valid
     if INTERPRETED:  # its block & scalar of int1 holds int32, which triton 3.8+'s loads refuse as a mask
         m_q = tl.where(valid, m_g, False)
-    b_q = load_rows(q_ptr + o_q[:, None] + o_d[None, :], m_q, o_d, HEAD_DIM, BLOCK_D)
+    d_own = unit_cols(hu, NUM_VC, BLOCK_D)
+    b_q = load_rows(q_ptr + o_q[:, None] + d_own + o_d[None, :], m_q, o_d, HEAD_DIM // NUM_VC, BLOCK_D)
     if BF16_DOTS_IN_FP32 and b_q.dtype == tl.bfloat16:
         b_q = b_q.to(tl.float32)
+    b_qo = b_q
+    if NUM_VC == 2:
+        b_qo = load_rows(q_ptr + o_q[:, None] + (BLOCK_D - d_own) + o_d[None, :], m_q, o_d, BLOCK_D, BLOCK_D)
+        b_qo = b_qo.to(b_q.dtype)
     b_qt = b_q
     if HEAD_DIM_T > 0:
         o_dt = tl.arange(0, BLOCK_DT)
         b_qt = load_rows(q_ptr + o_q[:, None] + (HEAD_DIM + o_dt)[None, :], m_q, o_dt, HEAD_DIM_T, BLOCK_DT)
         b_qt = b_qt.to(b_q.dtype)
-    return b_q, b_qt
+    return b_q, b_qo, b_qt
 
 
 @triton.jit
@@ -198,11 +220,12 @@ def row_bounds(
     TQ: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
     """Keys [lo, hi) of the span each row sees ([BLOCK_G] each): query token t is the span's key
     span - TQ + t and sees itself and the keys before it, the last ``window`` with a window."""
-    o_t, _, _ = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC)
+    o_t, _, _ = head_unit_rows(hu, GROUP, TQ, BLOCK_G, NUM_GC, NUM_VC)
     b_hi = span - TQ + 1 + o_t
     if HAS_WINDOW:
         b_lo = tl.maximum(b_hi - window, 0)

@@ -102,18 +102,40 @@ class DecodeConfig:
     # max_block_g of the batch-invariant variant when not max_block_g: its K/V loop holds two
     # states (a chunk's and a group's), which at 64 rows spill. See _MLA_ROWS.
     invariant_max_block_g: int | None = None
+    # Row blocks of at least this many query rows are computed in two head units, each holding
+    # half of V's columns (``rows.unit_cols``) and computing the whole score; None: never. See
+    # _MLA_COLS.
+    split_v_rows: int | None = None
+    # Pipeline stages fewer than num_stages (paged: paged_stages) in kernels whose row blocks are
+    # split by columns: their q block takes most of the shared memory. See _MLA_COLS.
+    split_v_fewer_stages: int = 0
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
-        pipeline stages (``paged_stages`` for a paged cache when set), FP fusion (``FP_FUSION``),
+        pipeline stages (``paged_stages`` for a paged cache when set, fewer by
+        ``split_v_fewer_stages`` for blocks split by columns), FP fusion (``FP_FUSION``),
         and ``maxnreg`` where the entry caps registers (``invariant``: the batch-invariant
         variant's warps and cap, when set) and the installed Triton is one the caps were read on."""
         stages = self.paged_stages if paged and self.paged_stages else self.num_stages
+        if self.v_col_blocks(block_g, invariant) > 1:
+            stages -= self.split_v_fewer_stages
         warps = (invariant and self.invariant_num_warps) or self.num_warps
         options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION}
         cap = (invariant and self.invariant_max_registers) or self.max_registers
         capped = cap and block_g <= NARROW_ROWS and major_minor(triton.__version__) >= REGISTER_CAPS_SINCE
         return options | ({"maxnreg": cap} if capped else {})
+
+    def v_col_blocks(self, block_g: int, invariant: bool = False) -> int:
+        """Head units a row block of ``block_g`` query rows is computed in (``split_v_rows``): 2, each
+        with half of V's columns, or 1. The batch-invariant variant keeps whole rows."""
+        return 2 if self.split_v_rows and block_g >= self.split_v_rows and not invariant else 1
+
+    def scores_t(self, block_g: int, invariant: bool = False) -> bool:
+        """Whether a row block of ``block_g`` query rows computes its scores keys-major (K q^T,
+        ``scores_t_rows``): not in blocks split by columns, whose q K^T is a wgmma that reads q
+        once a warp group."""
+        rows_t = self.scores_t_rows is not None and block_g >= self.scores_t_rows
+        return rows_t and self.v_col_blocks(block_g, invariant) == 1
 
     def block_n_for(self, block_g: int) -> int:
         """Keys per inner iteration of a block of ``block_g`` query rows (``narrow_block_n``)."""
@@ -128,6 +150,7 @@ class DecodeConfig:
             "invariant_max_block_g",
             "scores_t_rows",
             "merge_slice_elems",
+            "split_v_rows",
         ):
             value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
@@ -136,6 +159,11 @@ class DecodeConfig:
             keys = getattr(self, name)
             if keys and self.tile_n % keys:
                 raise ValueError(f"DecodeConfig.tile_n: expected a multiple of {name}={keys}, got {self.tile_n}")
+        if self.split_v_rows and (not self.head_dim_v or self.head_dim_v & (self.head_dim_v - 1)):
+            # halves of V's columns are whole blocks: BLOCK_D = head_dim_v / 2 with no padding
+            raise ValueError(
+                f"DecodeConfig.head_dim_v: expected a power of two with split_v_rows, got {self.head_dim_v}"
+            )
         if self.max_contributors < 2:  # the schedule's cost rule divides by max_contributors - 1
             raise ValueError(f"DecodeConfig.max_contributors: expected an int >= 2, got {self.max_contributors}")
 
@@ -294,6 +322,22 @@ _MLA_ROWS64 = (
 # 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
 # blocks of 64 rows take 304 KB of shared memory.
 _MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501 at 32 (kernel report)"
+# DP attention's 128 heads on sm_90 can also run as one 128-row block in two head units that each
+# hold half of V's columns (``split_v_rows``, ``rows.unit_cols``) and compute the whole score: q K^T
+# as a wgmma over the two warp groups (64 rows each) with q in shared memory, P.V (128 x 256 fp32:
+# 128 registers a thread) a second. Where a 64-row block's mma.sync score has every warp read the
+# whole K tile, each warp group reads q's rows and the K tile once a block: 259 KB of shared-memory
+# reads a 32-key iteration against 410 KB, 571 SASS against 670 (e4m3: 289 against 431 KB, 749
+# SASS against 748), for the same 2 reads of each latent row and no K/V-loop spill at 16 bits
+# (paged64; the score costs 13.6 MFLOP a 32-key block of 128 heads against 8.9). It is a trial, not
+# the entries' choice: q takes 144 KB of shared memory, and with all three products on wgmma the
+# pipeliner holds a K/V buffer a stage longer (the P.V product still reads it), so 2 K/V buffers fit
+# (a stage fewer at 16 bits: ``split_v_fewer_stages``, 222 KB) only with each block's copy issued in
+# the iteration before it (cp.async.wait_group 0: the copy's latency shows), and 3 take 258 KB. e4m3
+# keeps its stages (2 buffers, wait_group 4, 218 KB). The modelled gain (the 64-row loop's measured
+# 2.84 us scaled by SASS: 2.42) is within that latency, so the benchmark measures it
+# (``lean-cols128``) beside the entries' 64-row blocks. The batch-invariant variant keeps whole rows.
+_MLA_COLS = "; 128-row blocks in column halves when tried (split_v_rows): a stage fewer (kernel report)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -617,7 +661,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
-        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD,
+        split_v_fewer_stages=1,
+        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD + _MLA_COLS,
     ),
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
