@@ -37,8 +37,9 @@ def head_unit_rows(
 
 @triton.jit
 def unit_cols(hu, NUM_VC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The first of V's columns that head unit hu holds (BLOCK_D of them)."""
-    return hu % NUM_VC * BLOCK_D
+    """The first of V's columns that head unit hu holds (BLOCK_D of them): 0, a constant, with one
+    column block."""
+    return hu % NUM_VC * BLOCK_D if NUM_VC > 1 else 0
 
 
 @triton.jit
@@ -100,7 +101,10 @@ def store_output(
     o_row = (tl.cast(b, tl.int64) * TQ + o_t) * HQ + o_h
     m_o = m_g[:, None] & (o_d < HEAD_DIM)[None, :]
     tl.store(out_ptr + o_row[:, None] * HEAD_DIM + o_d[None, :], b_out.to(out_ptr.dtype.element_ty), mask=m_o)
-    tl.store(lse_ptr + o_row, b_lse, mask=m_g & (c0 == 0))
+    m_lse = m_g & (c0 == 0)
+    if INTERPRETED:  # its block & scalar of int1 holds int32, which triton 3.8+'s stores refuse as a mask
+        m_lse = tl.where(c0 == 0, m_g, False)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_lse)
 
 
 @triton.jit
