@@ -22,6 +22,7 @@ on the same problem (DP attention's 128 heads, one program a row block, a progra
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import torch
@@ -233,19 +234,42 @@ def reference(
     return out.reshape(-1, DV), scores.logsumexp(-1).reshape(-1)
 
 
-def compiled_stats() -> str:
-    """Registers, local memory, shared memory, and the K/V loop's SASS and shared-memory reads."""
-    from lean_tp.tools.kernel_report.sass import dump, kv_loop_of_sass, kv_smem_read_bytes, resources
+def compiled_stats() -> dict[str, int]:
+    """The sm_90 kernel's registers, stack bytes, shared memory bytes, and its K/V loop's SASS,
+    local loads/stores and shared-memory bytes read a key (``lean_tp.tools.kernel_report.sass``),
+    with the HGMMA shapes of the loop."""
+    from lean_tp.tools.kernel_report.sass import (
+        _kv_loop_instructions,
+        dump,
+        kv_loop_of_sass,
+        kv_smem_read_bytes,
+        resources,
+    )
 
     kernel = compile_sm90()
     regs, stack, _ = resources(kernel.asm["cubin"])
     sass = dump(kernel.asm["cubin"], "-sass")
     instructions, local = kv_loop_of_sass(sass)
-    read = kv_smem_read_bytes(sass, 8)
+    # The opcode reads "HGMMA.64" and its operands "x32x16.F32.BF16 ...": the shape is both.
+    hgmma = sorted(
+        {(op + operands.split()[0]).rstrip(",") for op, operands in _kv_loop_instructions(sass) if op == "HGMMA.64"}
+    )
+    return dict(
+        registers=regs,
+        stack_bytes=stack,
+        shared_bytes=kernel.metadata.shared,
+        loop_sass=instructions,
+        loop_local=local,
+        smem_read_per_key=kv_smem_read_bytes(sass, 8) // BLOCK_N,
+        hgmma=hgmma,
+    )
+
+
+def stats_line(stats: dict) -> str:
     return (
-        f"sm_90: {regs} registers, {stack} bytes of stack, {local} local loads/stores in the loop, "
-        f"{kernel.metadata.shared} bytes of shared memory, {instructions} SASS a {BLOCK_N}-key iteration, "
-        f"{read // BLOCK_N} bytes of shared-memory reads a key"
+        f"sm_90: {stats['registers']} registers, {stats['stack_bytes']} bytes of stack, {stats['loop_local']} local "
+        f"loads/stores in the loop, {stats['shared_bytes']} bytes of shared memory, {stats['loop_sass']} SASS a "
+        f"{BLOCK_N}-key iteration, {stats['smem_read_per_key']} bytes of shared-memory reads a key, {stats['hgmma']}"
     )
 
 
@@ -298,8 +322,12 @@ def run_on_gpu(n_keys: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=32768, help="keys a sequence, on a GPU (32768)")
+    parser.add_argument("--json", action="store_true", help="print the compiled statistics as JSON, nothing else")
     args = parser.parse_args(argv)
-    print(compiled_stats())
+    if args.json:
+        print(json.dumps(compiled_stats()))
+        return 0
+    print(stats_line(compiled_stats()))
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         print(run_on_gpu(args.keys))
     else:
