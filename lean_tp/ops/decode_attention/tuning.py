@@ -330,11 +330,11 @@ _MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501
 # reads a 32-key iteration against 410 KB, 571 SASS against 670 (e4m3: 289 against 431 KB, 749
 # SASS against 748), for the same 2 reads of each latent row and no K/V-loop spill at 16 bits
 # (paged64; the score costs 13.6 MFLOP a 32-key block of 128 heads against 8.9). It is a trial, not
-# the entries' choice: q takes 144 KB of shared memory, and with all three products on wgmma the
+# the entries' choice: q takes 144 KB of shared memory, and with every product on wgmma the
 # pipeliner holds a K/V buffer a stage longer (the P.V product still reads it), so 2 K/V buffers fit
-# (a stage fewer at 16 bits: ``split_v_fewer_stages``, 222 KB) only with each block's copy issued in
-# the iteration before it (cp.async.wait_group 0: the copy's latency shows), and 3 take 258 KB. e4m3
-# keeps its stages (2 buffers, wait_group 4, 218 KB). The modelled gain (the 64-row loop's measured
+# (a stage fewer at 16 bits: ``split_v_fewer_stages``, 217 KB) only with each block's copy issued in
+# the iteration before it (cp.async.wait_group 0: the copy's latency shows), and 3 take 252 KB. e4m3
+# keeps its stages (2 buffers, wait_group 4, 213 KB). The modelled gain (the 64-row loop's measured
 # 2.84 us scaled by SASS: 2.42) is within that latency, so the benchmark measures it
 # (``lean-cols128``) beside the entries' 64-row blocks. The batch-invariant variant keeps whole rows.
 _MLA_COLS = "; 128-row blocks in column halves when tried (split_v_rows): a stage fewer (kernel report)"
