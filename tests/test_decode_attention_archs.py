@@ -141,6 +141,20 @@ def test_row_block_fields_are_refused_unless_powers_of_two(field):
         dataclasses.replace(entry, **{field: 48})
 
 
+def test_column_blocks_are_refused_where_v_cannot_be_halved():
+    """``split_v_rows`` (the column-halves trial) is a power of two of at least 16 rows, on an entry
+    whose V head dim is a power of two (its halves are whole blocks); else refused, naming the field."""
+    with pytest.raises(ValueError, match=r"DecodeConfig.split_v_rows: expected a power of two >= 16, got 96"):
+        dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], split_v_rows=96)
+    with pytest.raises(
+        ValueError, match=r"DecodeConfig.head_dim_v: expected a power of two with split_v_rows, got None"
+    ):
+        dataclasses.replace(TUNING_TABLE[("sm90", 128, 2)], split_v_rows=128)
+    trial = dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], max_block_g=128, split_v_rows=128)
+    assert [trial.v_col_blocks(rows) for rows in (16, 64, 128)] == [1, 1, 2] and trial.v_col_blocks(128, True) == 1
+    assert trial.scores_t(64) and not trial.scores_t(128)  # split blocks compute q K^T
+
+
 def test_narrow_blocks_take_their_own_keys_an_iteration():
     """``narrow_block_n`` sets BLOCK_N for blocks of at most 16 query rows (sm_90's MLA entries:
     64 keys at TP 8's 16 heads, 32 at DP attention's 64-row blocks); it must divide tile_n."""
