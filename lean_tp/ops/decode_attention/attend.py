@@ -96,6 +96,13 @@ def load_rows(p, m_rows, o_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def other_cols(d_own, BLOCK_D: tl.constexpr):
+    """The first of V's columns that the other of two column blocks holds, where this one's
+    first is d_own (``rows.unit_cols``)."""
+    return BLOCK_D - d_own
+
+
+@triton.jit
 def _opaque(x):
     """x unchanged (16-bit values), through an op that Triton does not move into a dot operand's
     shared-memory load. Without it, Triton converts an fp8 tile to 16 bits as it loads the dot
@@ -256,7 +263,7 @@ def attend_block(
     if NUM_VC == 2:
         # The other column block's part of the score, added to this one's: a sum the two blocks
         # form alike (addition commutes), so their scores, m and l are the same bits.
-        p_ko = k_ptr + o_k[:, None] + (BLOCK_D - d_own) // PER_COL + o_d[None, :]
+        p_ko = k_ptr + o_k[:, None] + other_cols(d_own, BLOCK_D) // PER_COL + o_d[None, :]
         b_ko = _upcast(load_rows(p_ko, m_n, o_d, BLOCK_D // PER_COL, BLOCK_D // PER_COL), b_q.dtype, E4M3_BITS)
         b_s = b_s + _qk(b_qo, b_ko, None, DOT_PRECISION, SCORES_T)
     if HEAD_DIM_T > 0:

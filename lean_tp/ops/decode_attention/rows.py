@@ -14,7 +14,7 @@ rows are those of that token's one-token decode.
 import triton
 import triton.language as tl
 
-from lean_tp.ops.decode_attention.attend import BF16_DOTS_IN_FP32, INTERPRETED, load_rows
+from lean_tp.ops.decode_attention.attend import BF16_DOTS_IN_FP32, INTERPRETED, load_rows, other_cols
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -205,7 +205,8 @@ def load_q(
         b_q = b_q.to(tl.float32)
     b_qo = b_q
     if NUM_VC == 2:
-        b_qo = load_rows(q_ptr + o_q[:, None] + (BLOCK_D - d_own) + o_d[None, :], m_q, o_d, BLOCK_D, BLOCK_D)
+        p_qo = q_ptr + o_q[:, None] + other_cols(d_own, BLOCK_D) + o_d[None, :]
+        b_qo = load_rows(p_qo, m_q, o_d, BLOCK_D, BLOCK_D)
         b_qo = b_qo.to(b_q.dtype)
     b_qt = b_q
     if HEAD_DIM_T > 0:
