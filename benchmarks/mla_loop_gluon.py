@@ -273,27 +273,15 @@ def stats_line(stats: dict) -> str:
     )
 
 
-def _median_us(fn, reps: int = 20) -> float:
-    """Median time of ``fn`` replayed in a CUDA graph, in microseconds."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def run_on_gpu(n_keys: int) -> str:
     """Exactness against float64, then the loop's time beside lean's on DP attention's shape: 128
     heads a sequence (2 programs), one sequence per 2 SMs, ``n_keys`` keys each."""
+    from bench_decode import Timer
+
     import lean_tp
+
+    def median_us(fn) -> float:
+        return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
 
     torch.manual_seed(0)
     sequences = torch.cuda.get_device_properties(0).multi_processor_count // 2
@@ -305,11 +293,11 @@ def run_on_gpu(n_keys: int) -> str:
     unwritten = int(out.isnan().sum()) + int(lse.isnan().sum())
     out_err = (out[:check_rows].double() - ref_out).abs().max().item()
     lse_err = (lse[:check_rows].double() - ref_lse).abs().max().item()
-    gluon_us = _median_us(lambda: mla_loop(q, cache, n_keys, 2, out, lse))
+    gluon_us = median_us(lambda: mla_loop(q, cache, n_keys, 2, out, lse))
     kv = cache.view(sequences, n_keys, 1, DR + DV)
     lens = torch.full((sequences,), n_keys, device="cuda", dtype=torch.int32)
     lean_q = q.view(sequences, 2 * ROWS, DR + DV)
-    lean_us = _median_us(lambda: lean_tp.decode_attention(lean_q, kv, kv[..., :DV], lens))
+    lean_us = median_us(lambda: lean_tp.decode_attention(lean_q, kv, kv[..., :DV], lens))
     iterations = -(-n_keys // BLOCK_N)
     return (
         f"{sequences} sequences x 128 heads x {n_keys} keys: {unwritten} values unwritten, "
