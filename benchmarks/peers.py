@@ -23,7 +23,7 @@ from flash_decoding import flash_decoding
 
 import lean_tp
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
-from lean_tp.ops.decode_attention.tuning import get_config
+from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, get_config
 from lean_tp.tools.simulate import triton_mla_split_count
 
 Inputs = dict[str, torch.Tensor]
@@ -68,7 +68,7 @@ MLA_ABLATIONS = {
     "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
     "lean-keys32": dict(narrow_block_n=None),
     "lean-contributors16": dict(max_contributors=16),
-    "lean-cols128": dict(max_block_g=128, split_v_rows=128),
+    "lean-cols128": COLUMN_HALVES_TRIAL,
 }
 
 

@@ -15,6 +15,7 @@ from lean_tp.ops.decode_attention.grid import SM_LIMITS
 from lean_tp.ops.decode_attention.plan import e4m3_as_bits
 from lean_tp.ops.decode_attention.tuning import (
     B200_CONTRIBUTORS,
+    COLUMN_HALVES_TRIAL,
     TABLE_HEAD_DIMS,
     TUNING_TABLE,
     config_for,
@@ -150,7 +151,7 @@ def test_column_blocks_are_refused_where_v_cannot_be_halved():
         ValueError, match=r"DecodeConfig.head_dim_v: expected a power of two with split_v_rows, got None"
     ):
         dataclasses.replace(TUNING_TABLE[("sm90", 128, 2)], split_v_rows=128)
-    trial = dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], max_block_g=128, split_v_rows=128)
+    trial = dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], **COLUMN_HALVES_TRIAL)
     assert [trial.v_col_blocks(rows) for rows in (16, 64, 128)] == [1, 1, 2] and trial.v_col_blocks(128, True) == 1
     assert trial.scores_t(64) and not trial.scores_t(128)  # split blocks compute q K^T
 

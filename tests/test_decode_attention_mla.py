@@ -19,7 +19,7 @@ import lean_tp
 from lean_tp.ops.decode_attention.launcher import plan_decode
 from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
-from lean_tp.ops.decode_attention.tuning import config_for
+from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, config_for
 
 # A scaled-down latent row (DeepSeek-V3: Dqk 576 = 512 latent + 64 rope, Dv 512), so that the
 # rope columns are read by QK^T only.
@@ -107,7 +107,7 @@ def test_decode_attention_kernel_mla_column_halves(group, tq):
     inputs = mla_inputs("paged16", group, torch.bfloat16, seed=8, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     inputs["q"] = torch.randn(len(lens), tq, group, KERNEL_DQK).bfloat16()
     entry = config_for("interp", KERNEL_DQK, torch.bfloat16, None, KERNEL_DV)
-    config = dataclasses.replace(entry, max_block_g=128, split_v_rows=128)
+    config = dataclasses.replace(entry, **COLUMN_HALVES_TRIAL)
     cx = plan_decode(**inputs, num_programs=12, config=config).kernel.constexprs
     assert (cx["BLOCK_G"], cx["NUM_GC"], cx["NUM_VC"], cx["BLOCK_D"], cx["SCORES_T"]) == (128, 2, 2, 256, False)
     assert cx["LANES"] == 2 and cx["MERGE_COLS"] < cx["BLOCK_D"]

@@ -17,7 +17,7 @@ from test_decode_attention_mla import mla_inputs
 import lean_tp
 from lean_tp.ops.decode_attention.checks import scale_tensor
 from lean_tp.ops.decode_attention.launcher import plan_decode
-from lean_tp.ops.decode_attention.tuning import get_config
+from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, get_config
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (python scripts/gpu_check.py runs it on a GPU)", allow_module_level=True)
@@ -84,7 +84,7 @@ def test_mla_cuda_column_halves(layout, tq, fp8):
     inputs = _inputs(LENS, 128, torch.bfloat16, layout, tq, fp8, seed=5 + tq)
     q, k = inputs["q"], inputs["k_cache"]
     entry = get_config(q.device, DQK, q.dtype, k.dtype if fp8 else None, DV)
-    config = dataclasses.replace(entry, max_block_g=128, split_v_rows=128)
+    config = dataclasses.replace(entry, **COLUMN_HALVES_TRIAL)
     assert plan_decode(**inputs, config=config).kernel.constexprs["NUM_VC"] == 2
     out, lse = run_kernel(inputs, config=config)
     _check(out, lse, inputs, _atol(inputs))

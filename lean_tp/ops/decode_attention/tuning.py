@@ -338,6 +338,8 @@ _MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501
 # 2.84 us scaled by SASS: 2.42) is within that latency, so the benchmark measures it
 # (``lean-cols128``) beside the entries' 64-row blocks. The batch-invariant variant keeps whole rows.
 _MLA_COLS = "; 128-row blocks in column halves when tried (split_v_rows): a stage fewer (kernel report)"
+# The trial's fields over an MLA entry (the benchmark's ``lean-cols128``, its tests).
+COLUMN_HALVES_TRIAL = {"max_block_g": 128, "split_v_rows": 128}
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
