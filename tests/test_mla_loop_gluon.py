@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lean_tp.ops.decode_attention.archs import ARCHS
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_loop_gluon.py"
-H100_SHARED_BYTES = 232448  # the most dynamic shared memory a block may take on sm_90
 
 
 def test_the_gluon_mla_loop_compiles_for_sm90_within_its_budget():
@@ -23,7 +24,7 @@ def test_the_gluon_mla_loop_compiles_for_sm90_within_its_budget():
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout)
     assert stats["stack_bytes"] == 0 and stats["loop_local"] == 0 and stats["registers"] <= 255, stats
-    assert stats["shared_bytes"] <= H100_SHARED_BYTES, stats
+    assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats  # the most a block may opt into
     assert 0 < stats["smem_read_per_key"] < 5000, stats
     assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x32x16.F32.BF16"], stats
     assert 0 < stats["loop_sass"] < 670, stats
