@@ -234,6 +234,17 @@ def reference(
     return out.reshape(-1, DV), scores.logsumexp(-1).reshape(-1)
 
 
+def lean_inputs(
+    q: torch.Tensor, cache: torch.Tensor, n_keys: int, blocks_per_seq: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mla_loop``'s problem as ``lean_tp.decode_attention``'s arguments: q [S, heads, 576], the
+    cache as K [S, 1, n_keys, 576] and V its first 512 columns, and cache_seqlens [S] int32."""
+    heads = blocks_per_seq * ROWS
+    kv = cache.view(-1, 1, n_keys, cache.shape[1])
+    lens = torch.full((kv.shape[0],), n_keys, device=q.device, dtype=torch.int32)
+    return q.view(-1, heads, q.shape[1]), kv, kv[..., :DV], lens
+
+
 def compiled_stats() -> dict[str, int]:
     """The sm_90 kernel's registers, stack bytes, shared memory bytes, and its K/V loop's SASS,
     local loads/stores and shared-memory bytes read a key (``lean_tp.tools.kernel_report.sass``),
@@ -294,10 +305,8 @@ def run_on_gpu(n_keys: int) -> str:
     out_err = (out[:check_rows].double() - ref_out).abs().max().item()
     lse_err = (lse[:check_rows].double() - ref_lse).abs().max().item()
     gluon_us = median_us(lambda: mla_loop(q, cache, n_keys, 2, out, lse))
-    kv = cache.view(sequences, n_keys, 1, DR + DV)
-    lens = torch.full((sequences,), n_keys, device="cuda", dtype=torch.int32)
-    lean_q = q.view(sequences, 2 * ROWS, DR + DV)
-    lean_us = median_us(lambda: lean_tp.decode_attention(lean_q, kv, kv[..., :DV], lens))
+    lean_args = lean_inputs(q, cache, n_keys, 2)
+    lean_us = median_us(lambda: lean_tp.decode_attention(*lean_args))
     iterations = -(-n_keys // BLOCK_N)
     return (
         f"{sequences} sequences x 128 heads x {n_keys} keys: {unwritten} values unwritten, "
