@@ -421,7 +421,8 @@ def test_kv_loop_is_the_innermost_loop_with_the_most_multiply_accumulates():
 def test_kv_loop_shared_memory_reads_count_every_warp_and_warp_group():
     """``kv_smem_read_bytes``: an LDSM of four 8 x 8 16-bit matrices reads 512 bytes a warp, an
     LDS.64 256, a wgmma its B operand (N x K) from a descriptor, and A (64 x K) too when A is a
-    descriptor; every warp's LDS, every warp group's wgmma. Outside the K/V loop nothing counts."""
+    descriptor, 16-bit with or without a type suffix (fp16's wgmma has none); every warp's LDS,
+    every warp group's wgmma. Outside the K/V loop nothing counts."""
     from lean_tp.tools.kernel_report.sass import kv_smem_read_bytes
 
     sass = """
@@ -431,12 +432,13 @@ def test_kv_loop_shared_memory_reads_count_every_warp_and_warp_group():
         /*0030*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
         /*0040*/                   HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[UR20].tnspB, R24 ;
         /*0050*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0058*/                   HGMMA.64x32x16.F32 R24, gdesc[UR4], R24 ;
         /*0060*/              @!P1 BRA 0x0 ;
         /*0070*/                   LDSM.16.M88.4 R4, [R2] ;
         /*0080*/                   EXIT ;
     """
     warp = 512 + 256 + 256
-    group = 256 * 16 * 2 + (64 * 16 + 32 * 16) * 2
+    group = 256 * 16 * 2 + 2 * (64 * 16 + 32 * 16) * 2
     assert kv_smem_read_bytes(sass, 8) == 8 * warp + 2 * group
 
 

@@ -102,14 +102,15 @@ def _smem_read_bytes(op: str, operands: str) -> tuple[int, int]:
     """(bytes a warp's instruction reads from shared memory, bytes a warp group's) for one SASS
     instruction: ``LDSM`` 8 x 8 16-bit matrices (128 bytes each, 1, 2 or 4 of them), ``LDS`` its
     width x 32 lanes, and ``HGMMA``'s operands given by a descriptor (``gdesc``: B's N x K always,
-    A's 64 x K unless A is in registers), 16-bit (``.F16``/``.BF16``) or 8-bit."""
+    A's 64 x K unless A is in registers), 16-bit (``.BF16``, or no suffix: fp16) or 8-bit
+    (``.E4M3``/``.E5M2``)."""
     if m := re.fullmatch(r"LDSM\.16\.MT?88(?:\.(\d))?", op):
         return 128 * int(m.group(1) or 1), 0
     if m := re.fullmatch(r"LDS(?:\.(U8|S8|U16|S16|64|128))?", op):
         width = {None: 4, "U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}[m.group(1)]
         return 32 * width, 0
-    if m := re.match(r"HGMMA\.64\s*x(\d+)x(\d+)\.\w+\.(\w+)\s*(.*)", op + operands):
-        n, k, elem = int(m.group(1)), int(m.group(2)), 2 if "16" in m.group(3) else 1
+    if m := re.match(r"HGMMA\.64\s*x(\d+)x(\d+)\.F32(?:\.(\w+))?\s*(.*)", op + operands):
+        n, k, elem = int(m.group(1)), int(m.group(2)), 1 if m.group(3) in ("E4M3", "E5M2") else 2
         a_in_smem = m.group(4).split(",")[1].strip().startswith("gdesc")
         return 0, (64 * k * a_in_smem + n * k) * elem
     return 0, 0
