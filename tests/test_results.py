@@ -134,6 +134,9 @@ def test_planned_steps_run_in_order_of_value():
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
         f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
     ]
+    # The CUDA tests leave the other groups time, or take the whole budget when run alone.
+    (tests,) = gpu_check.planned_steps(["tests"], "python", "out")
+    assert gpu_check.planned_steps(["tests", "bench"], "python", "out")[0][2] == 300 < tests[2]
 
 
 def test_a_step_whose_tool_is_missing_is_an_error_not_a_crash(tmp_path):
