@@ -23,7 +23,7 @@ from flash_decoding import flash_decoding
 
 import lean_tp
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
-from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, get_config
+from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.tools.simulate import triton_mla_split_count
 
 Inputs = dict[str, torch.Tensor]
@@ -61,14 +61,13 @@ def _lean(s: Inputs):
 # record measured, against which 64-key blocks (644 SASS an iteration against 2 x 501: kernel
 # report) are modelled; at most 16 programs an output (64 by default) trade the loop's
 # parallelism at small batches for a merge of fewer 128 KB partials, the time of DP attention's
-# B=1 rows; 128-row blocks in column halves (128 heads: two head units of 256 V columns, scores q
-# K^T by wgmma) read 259 KB of shared memory a 32-key iteration against the 64-row block's 410,
-# with their K/V copy a block ahead instead of two (tuning.py, _MLA_COLS).
+# B=1 rows; 64-row blocks at 128 heads (two row blocks of whole V rows, scores K q^T by mma.sync)
+# are what the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS).
 MLA_ABLATIONS = {
     "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
     "lean-keys32": dict(narrow_block_n=None),
     "lean-contributors16": dict(max_contributors=16),
-    "lean-cols128": COLUMN_HALVES_TRIAL,
+    "lean-rows64": dict(max_block_g=64, split_v_rows=None),
 }
 
 

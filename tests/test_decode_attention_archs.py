@@ -15,7 +15,6 @@ from lean_tp.ops.decode_attention.grid import SM_LIMITS
 from lean_tp.ops.decode_attention.plan import e4m3_as_bits
 from lean_tp.ops.decode_attention.tuning import (
     B200_CONTRIBUTORS,
-    COLUMN_HALVES_TRIAL,
     TABLE_HEAD_DIMS,
     TUNING_TABLE,
     config_for,
@@ -143,7 +142,7 @@ def test_row_block_fields_are_refused_unless_powers_of_two(field):
 
 
 def test_column_blocks_are_refused_where_v_cannot_be_halved():
-    """``split_v_rows`` (the column-halves trial) is a power of two of at least 16 rows, on an entry
+    """``split_v_rows`` (sm_90's MLA column halves) is a power of two of at least 16 rows, on an entry
     whose V head dim is a power of two (its halves are whole blocks); else refused, naming the field."""
     with pytest.raises(ValueError, match=r"DecodeConfig.split_v_rows: expected a power of two >= 16, got 96"):
         dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], split_v_rows=96)
@@ -151,14 +150,14 @@ def test_column_blocks_are_refused_where_v_cannot_be_halved():
         ValueError, match=r"DecodeConfig.head_dim_v: expected a power of two with split_v_rows, got None"
     ):
         dataclasses.replace(TUNING_TABLE[("sm90", 128, 2)], split_v_rows=128)
-    trial = dataclasses.replace(TUNING_TABLE[("sm90", 576, 2)], **COLUMN_HALVES_TRIAL)
-    assert [trial.v_col_blocks(rows) for rows in (16, 64, 128)] == [1, 1, 2] and trial.v_col_blocks(128, True) == 1
-    assert trial.scores_t(64) and not trial.scores_t(128)  # split blocks compute q K^T
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    assert [entry.v_col_blocks(rows) for rows in (16, 64, 128)] == [1, 1, 2] and entry.v_col_blocks(128, True) == 1
+    assert entry.scores_t(64) and not entry.scores_t(128)  # split blocks compute q K^T
 
 
 def test_narrow_blocks_take_their_own_keys_an_iteration():
     """``narrow_block_n`` sets BLOCK_N for blocks of at most 16 query rows (sm_90's MLA entries:
-    64 keys at TP 8's 16 heads, 32 at DP attention's 64-row blocks); it must divide tile_n."""
+    64 keys at TP 8's 16 heads, 32 at DP attention's 128-row blocks); it must divide tile_n."""
     from lean_tp.ops.decode_attention import Features, KernelVariant
 
     entry = TUNING_TABLE[("sm90", 576, 2)]
@@ -174,6 +173,6 @@ def test_narrow_blocks_take_their_own_keys_an_iteration():
         group: KernelVariant("sm90", torch.bfloat16, 576, group, 64, mla, head_dim_v=512).constexprs
         for group in (16, 128)
     }
-    assert [(cx["BLOCK_G"], cx["BLOCK_N"]) for cx in blocks.values()] == [(16, 64), (64, 32)]
+    assert [(cx["BLOCK_G"], cx["BLOCK_N"]) for cx in blocks.values()] == [(16, 64), (128, 32)]
     with pytest.raises(ValueError, match=r"DecodeConfig.tile_n: expected a multiple of narrow_block_n=128, got 64"):
         dataclasses.replace(entry, narrow_block_n=128)

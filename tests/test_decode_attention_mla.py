@@ -8,8 +8,6 @@ are checked in test_kernel_report.py). Kernel tests run in the interpreter, agai
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers import ATOL, make_inputs, run_kernel, select
@@ -19,7 +17,6 @@ import lean_tp
 from lean_tp.ops.decode_attention.launcher import plan_decode
 from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
-from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, config_for
 
 # A scaled-down latent row (DeepSeek-V3: Dqk 576 = 512 latent + 64 rope, Dv 512), so that the
 # rope columns are read by QK^T only.
@@ -99,19 +96,17 @@ def test_decode_attention_kernel_mla_64_row_blocks():
 @pytest.mark.parametrize("group, tq", [(128, 1), (64, 2)], ids=["deepseek-dp", "kimi-dp-mtp"])
 def test_decode_attention_kernel_mla_column_halves(group, tq):
     """128 query rows of a latent head (DeepSeek-V3's DP rank, or Kimi-K2's with a draft token:
-    causal rows) in one row block of two head units (the benchmark's ``lean-cols128`` trial), each
+    causal rows) in one row block of two head units (the sm_90 entry's ``split_v_rows``), each
     holding half of V's 512 columns and computing the whole score as q K^T: outputs split over
     several programs and merged in column slices, a whole short one and an empty one, against
     float64 (out and lse start as NaN, so a column or an lse that no unit stores fails)."""
     lens = [10 * TILE + 3, 5, 0]
     inputs = mla_inputs("paged16", group, torch.bfloat16, seed=8, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     inputs["q"] = torch.randn(len(lens), tq, group, KERNEL_DQK).bfloat16()
-    entry = config_for("interp", KERNEL_DQK, torch.bfloat16, None, KERNEL_DV)
-    config = dataclasses.replace(entry, **COLUMN_HALVES_TRIAL)
-    cx = plan_decode(**inputs, num_programs=12, config=config).kernel.constexprs
+    cx = plan_decode(**inputs, num_programs=12).kernel.constexprs
     assert (cx["BLOCK_G"], cx["NUM_GC"], cx["NUM_VC"], cx["BLOCK_D"], cx["SCORES_T"]) == (128, 2, 2, 256, False)
     assert cx["LANES"] == 2 and cx["MERGE_COLS"] < cx["BLOCK_D"]
-    out, lse = run_kernel(inputs, num_programs=12, config=config)
+    out, lse = run_kernel(inputs, num_programs=12)
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
 
 

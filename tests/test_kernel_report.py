@@ -90,7 +90,9 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
     the next occupancy step (sm_80 D=128 paged: 12 words, to stay at 168 registers); more than a few
     words would mean the loop's live state does not fit. MLA's 64-row blocks hold 128 accumulator
-    registers a thread of their 255, and spill up to 64 cold words outside the loop."""
+    registers a thread of their 255, and spill up to 64 cold words outside the loop. sm_90's
+    128-row MLA blocks in column halves copy each K/V block one iteration ahead (wait_group 0:
+    q's 144 KB leave room for 2 buffers only so; H200-measured faster than 64-row blocks)."""
     rows = [
         s for s in _report_rows(stats) if s.arch == arch and s.dtype == "fp16" and s.layout == layout and not s.features
     ]
@@ -99,7 +101,7 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
         assert s.loop_spills == 0 and s.spill_bytes <= (256 if s.block_g == 64 else 64), s
         assert s.sass_per_iter > 0, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
-        assert s.kv_buffers >= 2 and s.wait_group >= 1, s
+        assert s.kv_buffers >= 2 and s.wait_group >= (0 if s.block_g == 128 else 1), s
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
 
@@ -198,7 +200,7 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
         # paged64, keeps 96 bytes at 255 registers.
         assert s.loop_spills == 0 and s.spill_bytes <= 128, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
-        assert s.kv_buffers >= 2 and s.wait_group >= 1, s
+        assert s.kv_buffers >= 2 and s.wait_group >= (0 if s.block_g == 128 else 1), s
         if s.head_dim <= 128:
             assert s.programs_per_sm >= 2, s
         if s.head_dim <= 128 and s.dtype == "fp16":
@@ -235,18 +237,20 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
     reading under 6000 bytes of shared memory a key (32-key blocks: 8512, paged64). The second
     load width is the rope columns': 64 x elem bytes a key over the 256 threads, at most 16 (fp8,
     32 keys: 8). The tests compile the contiguous and paged16 rows and e4m3's (``sample_jobs``),
-    and DP attention's 128 heads at 16 bits: two 64-row blocks on sm_90, four of 32 on sm_80;
-    docs/kernel_report.md has every layout and feature, and groups 64 and 128 on both archs
-    (sm_90's 64-row e4m3 and Tq 4 rows reload a few loop-invariant words an iteration there)."""
+    and DP attention's 128 heads at 16 bits: one 128-row block in two column halves on sm_90 (two
+    reads of each latent row), four of 32 rows on sm_80; docs/kernel_report.md has every layout and
+    feature, and groups 64 and 128 on both archs (sm_90's 128-head e4m3 row reloads a few
+    loop-invariant words an iteration there)."""
     rows = [s for s in stats if s.arch == arch and s.head_dim == 576]
     assert {s.layout for s in rows if not s.features} == {"contiguous", "paged16"}, rows
     assert "fp8_e4m3" in {s.features for s in rows}, rows
     wide = {(s.features, s.block_g, s.row_blocks) for s in rows if s.group == 128}
-    assert wide == ({("", 64, 2)} if arch == "sm90" else {("", 32, 4)}), wide
+    assert wide == ({("", 128, 2)} if arch == "sm90" else {("", 32, 4)}), wide
     for s in rows:
         fp8 = FEATURES[s.features].fp8 is not None
         assert s.head_dim_v == 512 and s.bytes_per_key == 576 * (1 if fp8 else 2), s
-        assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2 and s.wait_group >= 1, s
+        assert s.loop_spills == 0 and s.k_load_bytes == 16 and s.kv_buffers >= 2, s
+        assert s.wait_group >= (0 if s.block_g == 128 else 1), s  # column halves: a block ahead
         assert s.v_load_bytes == min(16, s.block_n * 64 * (1 if fp8 else 2) // (s.num_warps * 32)), s
         assert s.programs_per_sm >= 1 and s.kv_bytes_buffered >= 2 * s.littles_law_bytes, s
         if arch == "sm90" and s.block_g == 16:  # 64-key blocks: q's reads from shared memory, a key

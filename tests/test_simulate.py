@@ -551,25 +551,23 @@ def test_the_invariant_variant_streams_at_its_own_blocks_rate():
     assert 1.9 <= two.time_us / one <= 2.1, (one, two.time_us)
 
 
-def test_lean_mla_model_against_the_h200_record(monkeypatch):
+def test_lean_mla_model_against_the_h200_record():
     """Where MLA's K/V loop bounds lean (B=32: every SM busy), the model with the loop times of
-    ``gpus.LOOP_US`` gives the H200 record's times within 0.9-1.2x; these are 1.8x (16 heads,
-    16 bits, 32k) to 16x (128 heads, e4m3, 4k) the time of their bytes at the copy bandwidth. The
-    record ran 16-row blocks of 32 keys, so the entries are modelled as it ran them."""
-    import dataclasses
+    ``gpus.LOOP_US`` gives the H200 record's times of the entries within 0.9-1.2x (16 heads in
+    16-row blocks of 64 keys; 128 heads in 128-row blocks of two head units, the record's
+    ``lean-cols128``); these are 1.19x (16 heads, 16 bits, 32k) to 13x (128 heads, e4m3, 4k) the
+    time of their bytes at the copy bandwidth."""
     from pathlib import Path
 
-    from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
-
-    for key in (("sm90", 576, 2), ("sm90", 576, 1)):
-        monkeypatch.setitem(TUNING_TABLE, key, dataclasses.replace(TUNING_TABLE[key], narrow_block_n=None))
-    record = json.loads((Path(__file__).parents[1] / "docs/results/2026-11-26-nvidia-h200-2.json").read_text())
-    measured = {r["x"]: r["time_us"] for r in record["rows"] if r["sweep"] == "mla" and r["impl"] == "lean"}
-    for label, heads, context, elem in (
-        ("16 heads 16-bit B=32 32k", 16, 32768, 2),
-        ("128 heads fp8 B=32 4k", 128, 4096, 1),
+    record = json.loads((Path(__file__).parents[1] / "docs/results/2026-11-27-nvidia-h200.json").read_text())
+    measured = {(r["x"], r["impl"]): r["time_us"] for r in record["rows"] if r["sweep"] == "mla"}
+    for label, impl, heads, context, elem in (
+        ("16 heads 16-bit B=32 32k", "lean", 16, 32768, 2),
+        ("128 heads 16-bit B=32 32k", "lean-cols128", 128, 32768, 2),
+        ("128 heads fp8 B=32 4k", "lean-cols128", 128, 4096, 1),
     ):
         problem = Problem((context,) * 32, heads, 1, 576, elem_size=elem, head_dim_v=512)
         modelled = lean_sim_schedule(problem, GPUS["H200"]).time_us
-        assert 0.9 <= measured[label] / modelled <= 1.2, (label, measured[label], modelled)
-        assert measured[label] > 1.5 * 32 * context * 576 * elem / GPUS["H200"].hbm_tbps / 1e6
+        time = measured[(label, impl)]
+        assert 0.9 <= time / modelled <= 1.2, (label, time, modelled)
+        assert time > 1.15 * 32 * context * 576 * elem / GPUS["H200"].hbm_tbps / 1e6

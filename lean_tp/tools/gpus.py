@@ -44,30 +44,29 @@ GPUS = {
         GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0, 96.0, 10.7),
     )
 }
-# Measured time of one K/V-loop iteration (one block_n-key block, one program an SM) of a kernel
-# entry, keyed (arch, head_dim, cache bytes an element, BLOCK_G, block_n): a floor on how fast a
-# program streams, however many bytes it has in flight. MLA's loop is bound by it, not by memory:
-# its two dots, the softmax between them and their barriers run in series, one program an SM (the
-# loop issues in about a quarter of these times: kernel report). Measured on an H200 (torch 2.11,
-# triton 3.6; docs/results/2026-11-26-nvidia-h200-2.json): DeepSeek-V3, B=32, 32k keys, paged64,
-# the time over the iterations an SM runs (16 heads at 16 rows, 128 heads at 64 rows and, by the
-# benchmark's lean-rows16, at 16). With them the model gives the record's B=32 MLA rows within
-# 0.97-1.17x; at B=1 it stays 1.3-2.7x too fast (the merge and a call's fixed costs, not
+# Measured time of one K/V-loop iteration (one block_n-key block of one head unit, one program an
+# SM) of a kernel entry, keyed (arch, head_dim, cache bytes an element, BLOCK_G, block_n): a floor on
+# how fast a program streams, however many bytes it has in flight. MLA's loop is bound by it, not
+# by memory: its two dots, the softmax between them and their barriers run in series, one program
+# an SM (the loop issues in about a quarter of these times: kernel report). Measured on an H200
+# (torch 2.11, triton 3.6), DeepSeek-V3, B=32, 32k keys, paged64, as the time over the iterations
+# an SM runs: docs/results/2026-11-27-nvidia-h200.json for the entries (16 heads in 16-row blocks
+# of 64 keys; 128 heads in 128-row blocks of two head units, the benchmark's lean-cols128 there) and
+# docs/results/2026-11-26-nvidia-h200-2.json for 32-key blocks of 16 rows (16 heads, and 128 heads
+# by the benchmark's lean-rows16) and 64 rows. With them the model gives the records' B=32 MLA rows
+# within 0.9-1.2x; at B=1 it stays 1.3-2.7x too fast (the merge and a call's fixed costs, not
 # calibrated). The H100 shares the H200's SM and clocks, so the same times model it; other parts
-# and entries (sm_80, sm_100, 32-row blocks) are not measured and keep the memory-bound model.
-# The batch-invariant variant's 16-row loop is assumed to take the default's time (unmeasured).
-# 16-row blocks of 64 keys (the sm_90 entries' ``narrow_block_n``) are modelled, not measured: the
-# measured 32-key time scaled by the compiled loop's SASS an iteration (kernel report: 644 against
-# 501 at 16 bits, 791 against 562 for e4m3). Within a cache dtype that scaling gives the measured
-# 64-row loop from the 16-row one within 1% (2.10 x 670 / 501 = 2.81 against 2.84 us); across dtypes
-# it does not (e4m3's upcast adds time its SASS count does not show).
+# and entries (sm_80, sm_100, 32-row blocks) are not measured and keep the memory-bound model. The
+# batch-invariant variant's 16-row loop is assumed to take the default's time (unmeasured).
 LOOP_US = {
     ("sm90", 576, 2, 16, 32): 2.10,  # 2.07 (16 heads), 2.13 (128 heads in 16-row blocks)
+    ("sm90", 576, 2, 16, 64): 2.73,  # 16 heads; 2.51 for 128 heads in 16-row blocks
     ("sm90", 576, 2, 64, 32): 2.84,
+    ("sm90", 576, 2, 128, 32): 2.58,  # a head unit's iteration: 256 of V's columns
     ("sm90", 576, 1, 16, 32): 3.00,  # e4m3: 3.01 and 2.98
+    ("sm90", 576, 1, 16, 64): 4.55,  # 16 heads; 4.49 for 128 heads in 16-row blocks
     ("sm90", 576, 1, 64, 32): 3.94,
-    ("sm90", 576, 2, 16, 64): round(2.10 * 644 / 501, 2),  # modelled: 2.70
-    ("sm90", 576, 1, 16, 64): round(3.00 * 791 / 562, 2),  # modelled: 4.22
+    ("sm90", 576, 1, 128, 32): 3.15,
 }
 
 

@@ -1,12 +1,10 @@
 """CUDA tests of MLA decode (one latent head of 576 dims, V its first 512): DeepSeek's TP-8 rank
-(16 heads), Kimi-K2 and DeepSeek under DP attention (64 and 128 heads: 64-row blocks with
-keys-major scores and a column-sliced merge on sm_90; the 128-row column-halves trial), 16-bit
+(16 heads), Kimi-K2 and DeepSeek under DP attention (64 and 128 heads: on sm_90 64-row blocks with
+keys-major scores, and 128-row blocks in two column halves, each merged in column slices), 16-bit
 and e4m3 latent caches, MTP's Tq, forced grids, the batch-invariant mode and CUDA-graph replay.
 
 Skipped without a CUDA device; ``python scripts/gpu_check.py`` runs them on a GPU.
 """
-
-import dataclasses
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from test_decode_attention_mla import mla_inputs
 import lean_tp
 from lean_tp.ops.decode_attention.checks import scale_tensor
 from lean_tp.ops.decode_attention.launcher import plan_decode
-from lean_tp.ops.decode_attention.tuning import COLUMN_HALVES_TRIAL, get_config
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (python scripts/gpu_check.py runs it on a GPU)", allow_module_level=True)
@@ -73,27 +70,11 @@ def test_mla_cuda(group, layout, dtype, tq, fp8):
     _check(out, lse, inputs, _atol(inputs))
 
 
-@pytest.mark.parametrize(
-    "layout, tq, fp8", [("paged64", 1, False), ("paged64", 1, True), ("contiguous", 2, False)], ids=str
-)
-def test_mla_cuda_column_halves(layout, tq, fp8):
-    """The benchmark's ``lean-cols128`` trial compiled for the device: 128 heads as 128-row blocks
-    in two head units of 256 V columns each (``DecodeConfig.split_v_rows``), against float64."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the trial's q block and stages are sized for sm_90's shared memory")
-    inputs = _inputs(LENS, 128, torch.bfloat16, layout, tq, fp8, seed=5 + tq)
-    q, k = inputs["q"], inputs["k_cache"]
-    entry = get_config(q.device, DQK, q.dtype, k.dtype if fp8 else None, DV)
-    config = dataclasses.replace(entry, **COLUMN_HALVES_TRIAL)
-    assert plan_decode(**inputs, config=config).kernel.constexprs["NUM_VC"] == 2
-    out, lse = run_kernel(inputs, config=config)
-    _check(out, lse, inputs, _atol(inputs))
-
-
 @pytest.mark.parametrize("num_programs", [1, 3, 7, 264, 2000])
 def test_mla_cuda_forced_grids(num_programs):
-    """DP attention's 128 heads (two row-block lanes) on grids from one program (grown to a program
-    a lane) to more programs than tiles: every split and merge tree shape."""
+    """DP attention's 128 heads (two lanes: the 128-row block's head units) on grids from one
+    program (grown to a program a lane) to more programs than tiles: every split and merge tree
+    shape."""
     inputs = _inputs([20000, 0, 129, 1, 3000], 128, torch.bfloat16, "paged64", seed=num_programs)
     plan = plan_decode(**inputs, num_programs=num_programs)
     assert plan.kernel.lanes == 2 and plan.num_programs == max(num_programs, 2)

@@ -322,24 +322,23 @@ _MLA_ROWS64 = (
 # 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
 # blocks of 64 rows take 304 KB of shared memory.
 _MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501 at 32 (kernel report)"
-# DP attention's 128 heads on sm_90 can also run as one 128-row block in two head units that each
-# hold half of V's columns (``split_v_rows``, ``rows.unit_cols``) and compute the whole score: q K^T
-# as a wgmma over the two warp groups (64 rows each) with q in shared memory, P.V (128 x 256 fp32:
-# 128 registers a thread) a second. Where a 64-row block's mma.sync score has every warp read the
-# whole K tile, each warp group reads q's rows and the K tile once a block: 259 KB of shared-memory
-# reads a 32-key iteration against 410 KB, 571 SASS against 670 (e4m3: 289 against 431 KB, 749
-# SASS against 748), for the same 2 reads of each latent row and no K/V-loop spill at 16 bits
-# (paged64; the score costs 13.6 MFLOP a 32-key block of 128 heads against 8.9). It is a trial, not
-# the entries' choice: q takes 144 KB of shared memory, and with every product on wgmma the
-# pipeliner holds a K/V buffer a stage longer (the P.V product still reads it), so 2 K/V buffers fit
-# (a stage fewer at 16 bits: ``split_v_fewer_stages``, 217 KB) only with each block's copy issued in
-# the iteration before it (cp.async.wait_group 0: the copy's latency shows), and 3 take 252 KB. e4m3
-# keeps its stages (2 buffers, wait_group 4, 213 KB). The modelled gain (the 64-row loop's measured
-# 2.84 us scaled by SASS: 2.42) is within that latency, so the benchmark measures it
-# (``lean-cols128``) beside the entries' 64-row blocks. The batch-invariant variant keeps whole rows.
-_MLA_COLS = "; 128-row blocks in column halves when tried (split_v_rows): a stage fewer (kernel report)"
-# The trial's fields over an MLA entry (the benchmark's ``lean-cols128``, its tests).
-COLUMN_HALVES_TRIAL = {"max_block_g": 128, "split_v_rows": 128}
+# DP attention's 128 heads on sm_90 run as one 128-row block in two head units that each hold
+# half of V's columns (``split_v_rows``, ``rows.unit_cols``) and compute the whole score: q K^T as a
+# wgmma over the two warp groups (64 rows each) with q in shared memory, P.V (128 x 256 fp32: 128
+# registers a thread) a second. Where a 64-row block's mma.sync score has every warp read the whole
+# K tile, each warp group reads q's rows and the K tile once a block: 259 KB of shared-memory reads
+# a 32-key iteration against 410 KB, 571 SASS against 670 (e4m3: 289 against 431 KB, 749 SASS
+# against 748), for the same 2 reads of each latent row and no K/V-loop spill at 16 bits (paged64;
+# the score costs 13.6 MFLOP a 32-key block of 128 heads against 8.9). q takes 144 KB of shared
+# memory, and with every product on wgmma the pipeliner holds a K/V buffer a stage longer (the P.V
+# product still reads it), so 2 K/V buffers fit (a stage fewer at 16 bits:
+# ``split_v_fewer_stages``, 217 KB) only with each block's copy issued in the iteration before it
+# (cp.async.wait_group 0), and 3 take 252 KB; e4m3 keeps its stages (2 buffers, 213 KB). Measured on
+# an H200 (docs/results/2026-11-27-nvidia-h200.json, DeepSeek-V3 paged64, against 64-row blocks,
+# the benchmark's ``lean-rows64``): B=32 1280 against 1408 us at 32k and 195 against 209 at 4k
+# (e4m3: 1563 against 1959, 233 against 281); B=1 within 2% either way. 64 heads and fewer keep
+# whole 64-row blocks; the batch-invariant variant keeps whole rows.
+_MLA_COLS = "; 128-row blocks in column halves (split_v_rows): a stage fewer at 16 bits (H200 measured)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -653,7 +652,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         tile_n=64,
         block_n=32,
         narrow_block_n=64,
-        max_block_g=64,
+        max_block_g=128,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
@@ -663,6 +662,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
+        split_v_rows=128,
         split_v_fewer_stages=1,
         reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD + _MLA_COLS,
     ),
@@ -685,7 +685,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         tile_n=64,
         block_n=32,
         narrow_block_n=64,
-        max_block_g=64,
+        max_block_g=128,
         num_warps=8,
         num_stages=3,
         max_programs_per_sm=1,
@@ -695,13 +695,14 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
-        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD,
+        split_v_rows=128,
+        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD + _MLA_COLS,
     ),
     ("interp", 576, 2): DecodeConfig(
         tile_n=64,
         block_n=32,
         narrow_block_n=64,
-        max_block_g=64,
+        max_block_g=128,
         num_warps=4,
         num_stages=1,
         max_programs_per_sm=1,
@@ -710,13 +711,14 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
+        split_v_rows=128,
         reason="interpreter: mirrors the sm90 MLA entry, untimed",
     ),
     ("interp", 576, 1): DecodeConfig(
         tile_n=64,
         block_n=32,
         narrow_block_n=64,
-        max_block_g=64,
+        max_block_g=128,
         num_warps=4,
         num_stages=1,
         max_programs_per_sm=1,
@@ -725,6 +727,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         scores_t_rows=32,
         merge_slice_elems=4096,
         invariant_max_block_g=16,
+        split_v_rows=128,
         reason="interpreter: mirrors the sm90 MLA fp8 entry, untimed",
     ),
 }
@@ -804,6 +807,18 @@ TUNING_TABLE |= {
 }
 
 
+# sm_100 keeps 64-row blocks at 128 heads: the column halves' wgmma schedule and stages are sm_90's
+# and measured there only (see _MLA_COLS).
+TUNING_TABLE[("sm100", 576, 2)] = dataclasses.replace(
+    TUNING_TABLE[("sm90", 576, 2)],
+    max_block_g=64,
+    split_v_rows=None,
+    split_v_fewer_stages=0,
+    reason=TUNING_TABLE[("sm90", 576, 2)].reason.replace(_MLA_COLS, "")
+    + "; sm_100: 64-row blocks at 128 heads (column halves measured on sm_90 only)",
+)
+
+
 # sm_100 takes sm_90's MLA entries but for fp8: 32-key blocks buffer 1x Little's law there (36 KB
 # against 6.9 TB/s x 0.8 us / 148 SMs = 36 KB), and the all-features 64-row block (Tq 4, e4m3)
 # spills 6 times an iteration; 16-row blocks of 64 keys buffer 2x, no loop spill (kernel report).
@@ -815,6 +830,7 @@ TUNING_TABLE[("sm100", 576, 1)] = dataclasses.replace(
     scores_t_rows=None,
     merge_slice_elems=None,
     invariant_max_block_g=None,
+    split_v_rows=None,
     reason="MLA 576/512 fp8: 128-key tiles = 72 KB"
     + _MLA_ROWS
     + _FP8_BLOCKS

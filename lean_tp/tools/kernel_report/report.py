@@ -313,7 +313,7 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
         if paired_head_dim_v(job[1]) and (job[3] == "paged64" or job[7] not in ("", "fp8_e4m3") or job[2] == "bf16"):
             continue
         if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[7]) != (128, ""):
-            continue  # of the other ranks' groups, 128 at 16 bits (sm_90: two 64-row blocks; sm_80: four of 32)
+            continue  # of the other ranks' groups, 128 at 16 bits (sm_90: a 128-row block in column halves; sm_80: four of 32)
         if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
                 entry, layout = divmod(fp32_seen, len(LAYOUTS))

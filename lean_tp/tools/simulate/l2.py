@@ -1,7 +1,7 @@
 """Which K/V reads the L2 serves: the simulator's model of re-read rows.
 
-Several row blocks of one KV head (MLA's 128 heads at TP 1: lean's 64-row blocks on sm_90 and 16-row
-ones on sm_80, FlashMLA's 64-row ones, the Triton kernels' 16-head blocks) each read every latent row of a sequence. A read of a
+Several row blocks of one KV head (MLA's 128 heads at TP 1: lean's two head units of a 128-row block on
+sm_90 and 32-row blocks on sm_80, FlashMLA's 64-row ones, the Triton kernels' 16-head blocks) each read every latent row of a sequence. A read of a
 row that a running program read shortly before is an L2 hit; the first read, or one after the row
 has been evicted, comes from HBM. Every method's reads are classified by the same rule
 (``hbm_share``), and the device then streams at most ``min(L2 read bandwidth, copy bandwidth /
