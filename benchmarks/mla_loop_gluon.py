@@ -2,26 +2,28 @@
 choice does not give (docs/mla.md).
 
 One program computes 64 query rows of one sequence over its whole latent cache: q (64 x 576 bf16:
-512 latent and 64 rope columns) is copied to shared memory once by TMA; 64-key blocks of the cache
-are copied by TMA into two buffers, each block's copy issued while the block before it computes.
-The two warp groups split every product by columns (``NVMMADistributedLayout`` with warps
-[4, 2]): the score S = q K^T (each group 32 of the 64 keys, q read from shared memory by
-``warpgroup_mma``), and P.V (each group 256 of the 512 output columns, P through shared memory,
-V the block's latent columns). The softmax's row max and sum cross the groups through Triton's
-reduction. Compiled for sm_90 (triton 3.7.1): 193 registers (244 with triton 3.6), no local
-memory, 225 KB of shared memory, 524 SASS a 64-key iteration and 4832 bytes of shared-memory reads
-a key, against lean's 64-row loop's 670 SASS a 32-key iteration and 13120 bytes a key (kernel
-report).
+512 latent and 64 rope columns) is copied to shared memory once by TMA; the cache is a pool of
+64-row pages (FlashMLA's page size) read through a block table, a page a 64-key block, copied by
+TMA into two buffers, each block's copy issued while the block before it computes. The two warp
+groups split every product by columns (``NVMMADistributedLayout`` with warps [4, 2]): the score
+S = q K^T (each group 32 of the 64 keys, q read from shared memory by ``warpgroup_mma``), and P.V
+(each group 256 of the 512 output columns, P through shared memory, V the block's latent
+columns). The softmax's row max and sum cross the groups through Triton's reduction. Lengths are
+ragged: every block but a sequence's last is whole and unmasked; the last one's rows past the end
+are zeroed in shared memory and their scores masked. Compiled for sm_90 (triton 3.7.1): 210
+registers (208 with triton 3.6), no local memory, 225 KB of shared memory, 505 SASS a 64-key
+iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's 670 SASS a
+32-key iteration and 13120 bytes a key (kernel report).
 
-Measured on an H200 (docs/results/2026-11-27-nvidia-h200.json, triton 3.6): exact against
+Measured on an H200 (docs/results/2026-11-27-nvidia-h200.json, triton 3.6), in its contiguous
+form before pages and ragged lengths (524 SASS an iteration, every block masked): exact against
 float64, 1303 us for 66 sequences of 128 heads and 32k keys against lean_tp.decode_attention's
 2685 on the same problem, 2.54 us a 64-key iteration.
 
-It is not lean's kernel: no stream-K split, no pages, no fp8, no Tq. ``python
-benchmarks/mla_loop_gluon.py`` prints the compiled statistics on any machine; on an sm_90 GPU
-it also checks the result against float64 and times the loop beside ``lean_tp.decode_attention``
-on the same problem (DP attention's 128 heads, one program a row block, a program an SM).
-"""
+It is not lean's kernel: no stream-K split, no fp8, no Tq. ``python benchmarks/mla_loop_gluon.py``
+prints the compiled statistics on any machine; on an sm_90 GPU it also checks the result against
+float64 and times the loop beside ``lean_tp.decode_attention`` on the same problem (DP attention's
+128 heads on 64-row pages, one program a row block, a program an SM)."""
 
 from __future__ import annotations
 
@@ -55,16 +57,19 @@ def mla_loop_kernel(
     kr_desc,
     out_ptr,
     lse_ptr,
-    n_keys,
+    seqlens_ptr,
+    block_table_ptr,
+    table_stride,
     scale_log2,
     BLOCKS_PER_SEQ: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """Program p: rows [64 p, 64 p + 64) of q (qn_desc: [R, 512] blocks, qr_desc: [R, 64] at column
-    512) against sequence p // BLOCKS_PER_SEQ, cache rows [s n_keys, (s + 1) n_keys) (kn_desc: [N,
-    512] blocks, kr_desc: [N, 64] at column 512; V is the latent columns). out [R, 512] bf16 and lse
-    [R] fp32 (natural log); n_keys >= 1. scale_log2: the softmax scale times log2(e)."""
+    512) against sequence s = p // BLOCKS_PER_SEQ: seqlens[s] keys, key j on page
+    block_table[s, j // 64] of the pool (kn_desc: [pages x 64, 512] blocks, kr_desc: [pages x 64,
+    64] at column 512; V is the latent columns). out [R, 512] bf16 and lse [R] fp32 (natural log);
+    a sequence of no keys gives out 0, lse -inf. scale_log2: the softmax scale times log2(e)."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
@@ -98,74 +103,110 @@ def mla_loop_kernel(
     fence_async_shared()
 
     pid = gl.program_id(0)
-    row0 = (pid // BLOCKS_PER_SEQ) * n_keys  # the sequence's first cache row
+    seq = pid // BLOCKS_PER_SEQ
+    n_keys = gl.load(seqlens_ptr + seq)
+    pages = block_table_ptr + seq * table_stride  # a page holds one BLOCK_N-key block
     num_blocks = gl.cdiv(n_keys, BLOCK_N)
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [pid * M, 0], q_bar, qn_smem)
     tma.async_copy_global_to_shared(qr_desc, [pid * M, DV], q_bar, qr_smem)
     for st in gl.static_range(STAGES):
+        row = gl.load(pages + st, mask=st < num_blocks, other=0) * BLOCK_N
         mbarrier.expect(kn_bars.index(st), kn_desc.block_type.nbytes, pred=st < num_blocks)
         mbarrier.expect(kr_bars.index(st), kr_desc.block_type.nbytes, pred=st < num_blocks)
-        tma.async_copy_global_to_shared(
-            kn_desc, [row0 + st * BLOCK_N, 0], kn_bars.index(st), kn_smem.index(st), pred=st < num_blocks
-        )
-        tma.async_copy_global_to_shared(
-            kr_desc, [row0 + st * BLOCK_N, DV], kr_bars.index(st), kr_smem.index(st), pred=st < num_blocks
-        )
+        tma.async_copy_global_to_shared(kn_desc, [row, 0], kn_bars.index(st), kn_smem.index(st), pred=st < num_blocks)
+        tma.async_copy_global_to_shared(kr_desc, [row, DV], kr_bars.index(st), kr_smem.index(st), pred=st < num_blocks)
     mbarrier.wait(q_bar, phase=0)
 
     m_i = gl.full([M], float("-inf"), gl.float32, row_s)
     l_i = gl.full([M], 0.0, gl.float32, row_s)
     acc = gl.zeros([M, DV], gl.float32, o_layout)
-    s_zero = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for j in range(num_blocks):
+    # Every block but the last is whole: no mask. The last one's rows past the sequence's end are
+    # the rest of its page.
+    for j in range(num_blocks - 1):
         slot = j % STAGES
-        phase = (j // STAGES) & 1
+        nxt = j + STAGES
+        # The page of block j + STAGES, loaded while this block computes.
+        nxt_row = gl.load(pages + nxt, mask=nxt < num_blocks, other=0) * BLOCK_N
+        mbarrier.wait(kn_bars.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(kr_bars.index(slot), (j // STAGES) & 1)
         kn = kn_smem.index(slot)
         kr = kr_smem.index(slot)
-        mbarrier.wait(kn_bars.index(slot), phase)
-        mbarrier.wait(kr_bars.index(slot), phase)
-        # S = q K^T: q from shared memory, the K tile viewed [D, BLOCK_N].
-        s_tok = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_tok = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_tok, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        # Keys past the sequence's end (the next sequence's rows, or TMA's zero fill) get -inf.
-        scores = gl.where(gl.expand_dims(j * BLOCK_N + cols < n_keys, 0), scores * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(scores - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        # P through shared memory: each warp group wrote half its columns and reads all of them.
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        o_tok = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        m_i, l_i, acc = _attend_block(
+            qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, BLOCK_N, False
+        )
         # Block j + STAGES into the slot once both groups are done with it and with P; the expects
         # go before the CTA barrier so that the copies need no other.
-        nxt = j + STAGES
         mbarrier.expect(kn_bars.index(slot), kn_desc.block_type.nbytes, pred=nxt < num_blocks)
         mbarrier.expect(kr_bars.index(slot), kr_desc.block_type.nbytes, pred=nxt < num_blocks)
         _cta_barrier()
-        tma.async_copy_global_to_shared(
-            kn_desc, [row0 + nxt * BLOCK_N, 0], kn_bars.index(slot), kn, pred=nxt < num_blocks
-        )
-        tma.async_copy_global_to_shared(
-            kr_desc, [row0 + nxt * BLOCK_N, DV], kr_bars.index(slot), kr, pred=nxt < num_blocks
-        )
+        tma.async_copy_global_to_shared(kn_desc, [nxt_row, 0], kn_bars.index(slot), kn, pred=nxt < num_blocks)
+        tma.async_copy_global_to_shared(kr_desc, [nxt_row, DV], kr_bars.index(slot), kr, pred=nxt < num_blocks)
+    if num_blocks > 0:
+        last = num_blocks - 1
+        mbarrier.wait(kn_bars.index(last % STAGES), (last // STAGES) & 1)
+        mbarrier.wait(kr_bars.index(last % STAGES), (last // STAGES) & 1)
+        kn = kn_smem.index(last % STAGES)
+        valid = n_keys - last * BLOCK_N
+        _zero_rows_from(kn, valid, BLOCK_N, DV)
+        kr = kr_smem.index(last % STAGES)
+        m_i, l_i, acc = _attend_block(qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, valid, scale_log2, BLOCK_N, True)
     mbarrier.invalidate(q_bar)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(kn_bars.index(st))
         mbarrier.invalidate(kr_bars.index(st))
 
-    out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    l_o = gl.convert_layout(l_i, row_o)
+    out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)  # no keys: 0, not 0 / 0
     rows_o = pid * M + gl.arange(0, M, layout=row_o)
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(gl.bfloat16))
     gl.store(lse_ptr + pid * M + gl.arange(0, M, layout=row_s), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+
+
+@gluon.jit
+def _attend_block(
+    qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, valid, scale_log2, BLOCK_N: gl.constexpr, MASK: gl.constexpr
+):
+    """One block of keys into the running (m_i, l_i, acc) of the program's 64 rows: S = q K^T
+    (q from shared memory, the K tile viewed [D, BLOCK_N]), with ``MASK`` keys from ``valid`` on
+    at -inf, then P.V with P through shared memory (each warp group wrote half its columns and
+    reads all of them)."""
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_tok, is_async=True)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * scale_log2
+    if MASK:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        scores = gl.where(gl.expand_dims(cols < valid, 0), scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(scores - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    _cta_barrier()
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    o_tok = warpgroup_mma(p_smem, kn, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, DV: gl.constexpr):
+    """Rows [first, BLOCK_N) of a K/V tile in shared memory set to 0: past a sequence's end its
+    last page holds whatever the pool has there, and a masked score (P = 0) times a NaN there is
+    NaN. In column slices of 128, so the registers it needs stay few."""
+    COLS: gl.constexpr = 128
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    keep = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < first, 1)
+    for c in gl.static_range(DV // COLS):
+        part = tile.slice(c * COLS, COLS, dim=1)
+        part.store(gl.where(keep, part.load(layout), 0.0).to(gl.bfloat16))
+    fence_async_shared()
+    _cta_barrier()
 
 
 def _smem_layout(shape: list[int]):
@@ -187,28 +228,32 @@ def compile_sm90(blocks_per_seq: int = 2):
         "kr_desc": desc([BLOCK_N, DR]),
         "out_ptr": "*bf16",
         "lse_ptr": "*fp32",
-        "n_keys": "i32",
+        "seqlens_ptr": "*i32",
+        "block_table_ptr": "*i32",
+        "table_stride": "i32",
         "scale_log2": "fp32",
         "BLOCKS_PER_SEQ": "constexpr",
         "BLOCK_N": "constexpr",
         "STAGES": "constexpr",
     }
     constexprs = {"BLOCKS_PER_SEQ": blocks_per_seq, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
-    attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7)}
     source = GluonASTSource(mla_loop_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
 def mla_loop(
     q: torch.Tensor,
-    cache: torch.Tensor,
-    n_keys: int,
+    pool: torch.Tensor,
+    seqlens: torch.Tensor,
+    block_table: torch.Tensor,
     blocks_per_seq: int,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [R, 512] bf16 and lse [R] fp32 of q [R, 576] bf16 (R = 64 x programs; program p's rows
-    against sequence p // blocks_per_seq) over cache [sequences x n_keys, 576] bf16, scale 576^-0.5;
+    against sequence p // blocks_per_seq) over a paged latent pool [pages x 64, 576] bf16 (pages of
+    64 rows, FlashMLA's), seqlens [S] int32 and block_table [S, max pages] int32, scale 576^-0.5;
     out and lse start as NaN unless given."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -220,33 +265,85 @@ def mla_loop(
         out = torch.full((rows, DV), float("nan"), device=q.device, dtype=torch.bfloat16)
     if lse is None:
         lse = torch.full((rows,), float("nan"), device=q.device, dtype=torch.float32)
-    descs = desc(q, [ROWS, DV]), desc(q, [ROWS, DR]), desc(cache, [BLOCK_N, DV]), desc(cache, [BLOCK_N, DR])
+    descs = desc(q, [ROWS, DV]), desc(q, [ROWS, DR]), desc(pool, [BLOCK_N, DV]), desc(pool, [BLOCK_N, DR])
     scale_log2 = q.shape[1] ** -0.5 * math.log2(math.e)
-    mla_loop_kernel[(rows // ROWS,)](*descs, out, lse, n_keys, scale_log2, blocks_per_seq, BLOCK_N, STAGES, num_warps=8)
+    mla_loop_kernel[(rows // ROWS,)](
+        *descs,
+        out,
+        lse,
+        seqlens,
+        block_table,
+        block_table.stride(0),
+        scale_log2,
+        blocks_per_seq,
+        BLOCK_N,
+        STAGES,
+        num_warps=8,
+    )
     return out, lse
 
 
+def paged_problem(
+    lens: list[int], blocks_per_seq: int, device: str = "cuda", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [S x blocks_per_seq x 64, 576], a pool whose pages are shuffled and whose rows no sequence
+    holds are NaN (the rest of a last page, and a page of its own), seqlens [S] and block_table
+    [S, max pages] (its entries past a sequence's pages point at the NaN page)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = [-(-n // BLOCK_N) for n in lens]
+    order = torch.randperm(sum(pages) + 1, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    table = torch.full((len(lens), max(max(pages), 1)), int(order[-1]), dtype=torch.int32)
+    held = torch.zeros((sum(pages) + 1) * BLOCK_N, dtype=torch.bool)
+    first = 0
+    for s, n in enumerate(lens):
+        table[s, : pages[s]] = order[first : first + pages[s]]
+        held[(table[s, : pages[s]].long()[:, None] * BLOCK_N + torch.arange(BLOCK_N)).reshape(-1)[:n]] = True
+        first += pages[s]
+    pool = torch.randn(held.numel(), DR + DV, generator=gen, device=device).bfloat16()
+    pool[~held.to(device)] = float("nan")
+    q = torch.randn(len(lens) * blocks_per_seq * ROWS, DR + DV, generator=gen, device=device).bfloat16()
+    return q, pool, torch.tensor(lens, dtype=torch.int32, device=device), table.to(device)
+
+
+def _keys(pool: torch.Tensor, block_table: torch.Tensor, seq: int, n: int) -> torch.Tensor:
+    """Sequence ``seq``'s ``n`` latent rows [n, 576], gathered through its pages."""
+    rows = block_table[seq, : -(-n // BLOCK_N)].long()[:, None] * BLOCK_N + torch.arange(BLOCK_N, device=pool.device)
+    return pool[rows.reshape(-1)[:n]]
+
+
 def reference(
-    q: torch.Tensor, cache: torch.Tensor, n_keys: int, blocks_per_seq: int
+    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor, blocks_per_seq: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla_loop`` in float64."""
+    """``mla_loop`` in float64, for the sequences q's rows cover."""
     heads = blocks_per_seq * ROWS
     q64 = q.double().view(-1, heads, q.shape[1])
-    kv = cache.double().view(q64.shape[0], n_keys, cache.shape[1])
-    scores = torch.einsum("shd,snd->shn", q64, kv) * q.shape[1] ** -0.5
-    out = torch.einsum("shn,snd->shd", scores.softmax(-1), kv[..., :DV])
-    return out.reshape(-1, DV), scores.logsumexp(-1).reshape(-1)
+    outs, lses = [], []
+    for s in range(q64.shape[0]):
+        kv = _keys(pool, block_table, s, int(seqlens[s])).double()
+        scores = q64[s] @ kv.T * q.shape[1] ** -0.5
+        if kv.shape[0] == 0:  # out 0, lse -inf
+            outs.append(torch.zeros(heads, DV, dtype=torch.float64, device=q.device))
+            lses.append(torch.full((heads,), float("-inf"), dtype=torch.float64, device=q.device))
+            continue
+        outs.append(scores.softmax(-1) @ kv[:, :DV])
+        lses.append(scores.logsumexp(-1))
+    return torch.cat(outs), torch.cat(lses)
 
 
 def lean_inputs(
-    q: torch.Tensor, cache: torch.Tensor, n_keys: int, blocks_per_seq: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor, blocks_per_seq: int
+) -> dict[str, torch.Tensor]:
     """``mla_loop``'s problem as ``lean_tp.decode_attention``'s arguments: q [S, heads, 576], the
-    cache as K [S, 1, n_keys, 576] and V its first 512 columns, and cache_seqlens [S] int32."""
+    pool as K [pages, 64, 1, 576] and V its first 512 columns, cache_seqlens and block_table."""
     heads = blocks_per_seq * ROWS
-    kv = cache.view(-1, 1, n_keys, cache.shape[1])
-    lens = torch.full((kv.shape[0],), n_keys, device=q.device, dtype=torch.int32)
-    return q.view(-1, heads, q.shape[1]), kv, kv[..., :DV], lens
+    kv = pool.view(-1, BLOCK_N, 1, pool.shape[1])
+    return dict(
+        q=q.view(-1, heads, q.shape[1]),
+        k_cache=kv,
+        v_cache=kv[..., :DV],
+        cache_seqlens=seqlens,
+        block_table=block_table,
+    )
 
 
 def compiled_stats() -> dict[str, int]:
@@ -290,7 +387,7 @@ def stats_line(stats: dict) -> str:
 
 def run_on_gpu(n_keys: int) -> str:
     """Exactness against float64, then the loop's time beside lean's on DP attention's shape: 128
-    heads a sequence (2 programs), one sequence per 2 SMs, ``n_keys`` keys each."""
+    heads a sequence (2 programs), one sequence per 2 SMs, ``n_keys`` keys each, on 64-row pages."""
     from bench_decode import Timer
 
     import lean_tp
@@ -298,22 +395,21 @@ def run_on_gpu(n_keys: int) -> str:
     def median_us(fn) -> float:
         return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
 
-    torch.manual_seed(0)
     sequences = torch.cuda.get_device_properties(0).multi_processor_count // 2
-    q = torch.randn(sequences * 2 * ROWS, DR + DV, device="cuda").bfloat16()
-    cache = torch.randn(sequences * n_keys, DR + DV, device="cuda").bfloat16()
-    check_rows = 4 * ROWS  # two sequences: the float64 reference of all of them is the cost
-    out, lse = mla_loop(q, cache, n_keys, 2)
-    ref_out, ref_lse = reference(q[:check_rows], cache[: 2 * n_keys], n_keys, 2)
+    problem = paged_problem([n_keys] * sequences, 2)
+    out, lse = mla_loop(*problem, 2)
+    check = 2  # sequences: the float64 reference of all of them is the cost
+    q, pool, seqlens, table = problem
+    ref_out, ref_lse = reference(q[: check * 2 * ROWS], pool, seqlens, table, 2)
     unwritten = int(out.isnan().sum()) + int(lse.isnan().sum())
-    out_err = (out[:check_rows].double() - ref_out).abs().max().item()
-    lse_err = (lse[:check_rows].double() - ref_lse).abs().max().item()
-    gluon_us = median_us(lambda: mla_loop(q, cache, n_keys, 2, out, lse))
-    lean_args = lean_inputs(q, cache, n_keys, 2)
-    lean_us = median_us(lambda: lean_tp.decode_attention(*lean_args))
+    out_err = (out[: len(ref_out)].double() - ref_out).abs().max().item()
+    lse_err = (lse[: len(ref_lse)].double() - ref_lse).abs().max().item()
+    gluon_us = median_us(lambda: mla_loop(*problem, 2, out, lse))
+    lean_args = lean_inputs(*problem, 2)
+    lean_us = median_us(lambda: lean_tp.decode_attention(**lean_args))
     iterations = -(-n_keys // BLOCK_N)
     return (
-        f"{sequences} sequences x 128 heads x {n_keys} keys: {unwritten} values unwritten, "
+        f"{sequences} sequences x 128 heads x {n_keys} keys, 64-row pages: {unwritten} values unwritten, "
         f"max |out - float64| {out_err:.2e}, "
         f"|lse - float64| {lse_err:.2e}; gluon loop {gluon_us:.1f} us ({gluon_us / iterations:.2f} us a "
         f"{BLOCK_N}-key iteration), lean.decode_attention {lean_us:.1f} us"

@@ -31,9 +31,10 @@ def test_the_gluon_mla_loop_compiles_for_sm90_within_its_budget():
 
 
 def test_lean_is_timed_on_the_gluon_loops_problem():
-    """The script times ``lean_tp.decode_attention`` on ``lean_inputs``: the same rows, keys and
-    scale as the Gluon loop, so lean's output matches the loop's float64 reference (torch backend:
-    the argument checks are the kernel's; the numbers are the problem's)."""
+    """The script times ``lean_tp.decode_attention`` on ``lean_inputs``: the same rows, pages,
+    lengths and scale as the Gluon loop, so lean's output matches the loop's float64 reference
+    (torch backend: the argument checks are the kernel's; the numbers are the problem's). The pool's
+    rows no sequence holds are NaN, as ``paged_problem`` builds it for the GPU test."""
     import importlib.util
 
     import torch
@@ -43,14 +44,12 @@ def test_lean_is_timed_on_the_gluon_loops_problem():
     spec = importlib.util.spec_from_file_location("mla_loop_gluon", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    torch.manual_seed(0)
-    sequences, n_keys, blocks_per_seq = 2, 37, 2
-    q = torch.randn(sequences * blocks_per_seq * script.ROWS, script.DR + script.DV).bfloat16()
-    cache = torch.randn(sequences * n_keys, script.DR + script.DV).bfloat16()
-    ref_out, ref_lse = script.reference(q, cache, n_keys, blocks_per_seq)
+    problem = script.paged_problem([0, 37, 64, 130], blocks_per_seq=2, device="cpu")
+    assert problem[1].isnan().any()  # the rest of a last page, and the page past every table's end
+    ref_out, ref_lse = script.reference(*problem, blocks_per_seq=2)
     out, lse = lean_tp.decode_attention(
-        *script.lean_inputs(q, cache, n_keys, blocks_per_seq), return_lse=True, backend="torch"
+        **script.lean_inputs(*problem, blocks_per_seq=2), return_lse=True, backend="torch"
     )
-    assert out.shape == (sequences, blocks_per_seq * script.ROWS, script.DV)
+    assert out.shape == (4, 2 * script.ROWS, script.DV)
     torch.testing.assert_close(out.double().reshape(ref_out.shape), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double().reshape(ref_lse.shape), ref_lse, atol=1e-3, rtol=1e-3)
