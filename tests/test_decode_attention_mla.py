@@ -111,8 +111,9 @@ def test_decode_attention_kernel_mla_column_halves(group, tq):
 
 
 def test_a_grid_has_a_program_for_each_row_block():
-    """MTP at DP attention (Tq 4 x 128 heads: 8 row blocks of 64) on a 3-program grid: the launcher
-    grows the grid to 9, a program for each lane of the schedule, and the result is exact."""
+    """MTP at DP attention (Tq 4 x 128 heads: 4 row blocks of 128, each in two column halves: 8
+    head units) on a 3-program grid: the launcher grows the grid to 9, a program for each lane of
+    the schedule, and the result is exact."""
     lens = [TILE + 6, 3]
     inputs = mla_inputs("paged16", 128, torch.bfloat16, seed=9, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
     inputs["q"] = torch.randn(len(lens), 4, 128, KERNEL_DQK).bfloat16()

@@ -88,9 +88,9 @@ def test_schedule_covers_every_tile_once_with_balanced_loads(
     num_programs=st.sampled_from([1, 3, 8, 24, 66]),
 )
 def test_row_blocks_read_in_step(lens, kv_heads, lanes, num_programs):
-    """With lanes (a KV head's row blocks: DP attention's 128 heads in two 64-row blocks) each
-    program of lane c holds program q's tiles of lane 0, for row block c: the row blocks of a KV
-    head read each key at the same time. Every tile still once, contributors contiguous, the merge
+    """With lanes (a KV head's head units: DP attention's 128 heads as the two column halves of a
+    128-row block) each program of lane c holds program q's tiles of lane 0, for head unit c: the
+    units of a KV head read each key at the same time. Every tile still once, contributors contiguous, the merge
     tree bounded. A grid needs a program a lane (the launcher's grid has one)."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     head_units = kv_heads * lanes
