@@ -20,10 +20,12 @@ form before pages and ragged lengths (524 SASS an iteration, every block masked)
 float64, 1303 us for 66 sequences of 128 heads and 32k keys against lean_tp.decode_attention's
 2685 on the same problem, 2.54 us a 64-key iteration.
 
-It is not lean's kernel: no stream-K split, no fp8, no Tq. ``python benchmarks/mla_loop_gluon.py``
-prints the compiled statistics on any machine; on an sm_90 GPU it also checks the result against
-float64 and times the loop beside ``lean_tp.decode_attention`` on the same problem (DP attention's
-128 heads on 64-row pages, one program a row block, a program an SM)."""
+A sequence's blocks can be split over programs (``splits``: equal runs of whole blocks), whose
+fp32 partials a Triton kernel combines (``combine``). It is not lean's kernel: no stream-K
+schedule, no fp8, no Tq. ``python benchmarks/mla_loop_gluon.py`` prints the compiled statistics on
+any machine; on an sm_90 GPU it also checks the result against float64 and times the loop beside
+``lean_tp.decode_attention`` on the same problems (DP attention's 128 heads on 64-row pages: a
+sequence per 2 SMs, a program a row block; and B=32, split to fill the SMs)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -62,14 +65,17 @@ def mla_loop_kernel(
     table_stride,
     scale_log2,
     BLOCKS_PER_SEQ: gl.constexpr,
+    SPLITS: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Program p: rows [64 p, 64 p + 64) of q (qn_desc: [R, 512] blocks, qr_desc: [R, 64] at column
-    512) against sequence s = p // BLOCKS_PER_SEQ: seqlens[s] keys, key j on page
-    block_table[s, j // 64] of the pool (kn_desc: [pages x 64, 512] blocks, kr_desc: [pages x 64,
-    64] at column 512; V is the latent columns). out [R, 512] bf16 and lse [R] fp32 (natural log);
-    a sequence of no keys gives out 0, lse -inf. scale_log2: the softmax scale times log2(e)."""
+    """Program p: rows [64 r, 64 r + 64) of q, r = p // SPLITS (qn_desc: [R, 512] blocks, qr_desc:
+    [R, 64] at column 512), against split p % SPLITS of sequence s = r // BLOCKS_PER_SEQ: seqlens[s]
+    keys, key j on page block_table[s, j // 64] of the pool (kn_desc: [pages x 64, 512] blocks,
+    kr_desc: [pages x 64, 64] at column 512; V is the latent columns), the split's keys a run of
+    whole blocks. out rows [64 p, 64 p + 64) of [R x SPLITS, 512] (bf16, or fp32 partials when
+    split) and lse [R x SPLITS] fp32 (natural log); no keys give out 0, lse -inf. scale_log2: the
+    softmax scale times log2(e)."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
@@ -103,13 +109,17 @@ def mla_loop_kernel(
     fence_async_shared()
 
     pid = gl.program_id(0)
-    seq = pid // BLOCKS_PER_SEQ
+    q_row = (pid // SPLITS) * M
+    seq = pid // (SPLITS * BLOCKS_PER_SEQ)
     n_keys = gl.load(seqlens_ptr + seq)
-    pages = block_table_ptr + seq * table_stride  # a page holds one BLOCK_N-key block
+    per_split = gl.cdiv(gl.cdiv(n_keys, BLOCK_N), SPLITS)
+    first = (pid % SPLITS) * per_split  # the split's blocks [first, end), [first, first + n) here
+    pages = block_table_ptr + seq * table_stride + first  # a page holds one BLOCK_N-key block
+    n_keys = gl.minimum(gl.maximum(n_keys - first * BLOCK_N, 0), per_split * BLOCK_N)
     num_blocks = gl.cdiv(n_keys, BLOCK_N)
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qn_desc, [pid * M, 0], q_bar, qn_smem)
-    tma.async_copy_global_to_shared(qr_desc, [pid * M, DV], q_bar, qr_smem)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, qn_smem)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, DV], q_bar, qr_smem)
     for st in gl.static_range(STAGES):
         row = gl.load(pages + st, mask=st < num_blocks, other=0) * BLOCK_N
         mbarrier.expect(kn_bars.index(st), kn_desc.block_type.nbytes, pred=st < num_blocks)
@@ -121,8 +131,8 @@ def mla_loop_kernel(
     m_i = gl.full([M], float("-inf"), gl.float32, row_s)
     l_i = gl.full([M], 0.0, gl.float32, row_s)
     acc = gl.zeros([M, DV], gl.float32, o_layout)
-    # Every block but the last is whole: no mask. The last one's rows past the sequence's end are
-    # the rest of its page.
+    # Every block but the split's last is whole: no mask. The last one's rows past the sequence's
+    # end are the rest of its page.
     for j in range(num_blocks - 1):
         slot = j % STAGES
         nxt = j + STAGES
@@ -160,7 +170,7 @@ def mla_loop_kernel(
     out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)  # no keys: 0, not 0 / 0
     rows_o = pid * M + gl.arange(0, M, layout=row_o)
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(gl.bfloat16))
+    gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(out_ptr.dtype.element_ty))
     gl.store(lse_ptr + pid * M + gl.arange(0, M, layout=row_s), (m_i + gl.log2(l_i)) * 0.6931471805599453)
 
 
@@ -213,7 +223,7 @@ def _smem_layout(shape: list[int]):
     return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
 
 
-def compile_sm90(blocks_per_seq: int = 2):
+def compile_sm90(blocks_per_seq: int = 2, splits: int = 1):
     """The kernel compiled for sm_90 on any machine (its host descriptors' types as a launch has them)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -226,17 +236,18 @@ def compile_sm90(blocks_per_seq: int = 2):
         "qr_desc": desc([ROWS, DR]),
         "kn_desc": desc([BLOCK_N, DV]),
         "kr_desc": desc([BLOCK_N, DR]),
-        "out_ptr": "*bf16",
+        "out_ptr": "*fp32" if splits > 1 else "*bf16",
         "lse_ptr": "*fp32",
         "seqlens_ptr": "*i32",
         "block_table_ptr": "*i32",
         "table_stride": "i32",
         "scale_log2": "fp32",
         "BLOCKS_PER_SEQ": "constexpr",
+        "SPLITS": "constexpr",
         "BLOCK_N": "constexpr",
         "STAGES": "constexpr",
     }
-    constexprs = {"BLOCKS_PER_SEQ": blocks_per_seq, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
+    constexprs = {"BLOCKS_PER_SEQ": blocks_per_seq, "SPLITS": splits, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7)}
     source = GluonASTSource(mla_loop_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
@@ -250,11 +261,13 @@ def mla_loop(
     blocks_per_seq: int,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [R, 512] bf16 and lse [R] fp32 of q [R, 576] bf16 (R = 64 x programs; program p's rows
-    against sequence p // blocks_per_seq) over a paged latent pool [pages x 64, 576] bf16 (pages of
-    64 rows, FlashMLA's), seqlens [S] int32 and block_table [S, max pages] int32, scale 576^-0.5;
-    out and lse start as NaN unless given."""
+    """out [R, 512] bf16 and lse [R] fp32 of q [R, 576] bf16 (R = 64 x row blocks; row block r's
+    rows against sequence r // blocks_per_seq) over a paged latent pool [pages x 64, 576] bf16
+    (pages of 64 rows, FlashMLA's), seqlens [S] int32 and block_table [S, max pages] int32, scale
+    576^-0.5; each sequence's blocks in ``splits`` runs, a program each, whose fp32 partials
+    ``combine`` merges. out and lse start as NaN unless given."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def desc(t: torch.Tensor, shape: list[int]) -> TensorDescriptor:
@@ -265,22 +278,59 @@ def mla_loop(
         out = torch.full((rows, DV), float("nan"), device=q.device, dtype=torch.bfloat16)
     if lse is None:
         lse = torch.full((rows,), float("nan"), device=q.device, dtype=torch.float32)
+    part_out, part_lse = out, lse
+    if splits > 1:
+        part_out = torch.full((rows * splits, DV), float("nan"), device=q.device, dtype=torch.float32)
+        part_lse = torch.full((rows * splits,), float("nan"), device=q.device, dtype=torch.float32)
     descs = desc(q, [ROWS, DV]), desc(q, [ROWS, DR]), desc(pool, [BLOCK_N, DV]), desc(pool, [BLOCK_N, DR])
     scale_log2 = q.shape[1] ** -0.5 * math.log2(math.e)
-    mla_loop_kernel[(rows // ROWS,)](
+    mla_loop_kernel[(rows // ROWS * splits,)](
         *descs,
-        out,
-        lse,
+        part_out,
+        part_lse,
         seqlens,
         block_table,
         block_table.stride(0),
         scale_log2,
         blocks_per_seq,
+        splits,
         BLOCK_N,
         STAGES,
         num_warps=8,
     )
+    if splits > 1:
+        combine(part_out, part_lse, splits, out, lse)
     return out, lse
+
+
+@triton.jit
+def combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SPLITS: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr
+):
+    """Row r of out [R, DV] and lse [R] from its SPLITS partials: row (r // ROWS x SPLITS + s) x
+    ROWS + r % ROWS of part_out [R x SPLITS, DV] fp32 and part_lse (natural log), weighted by
+    exp(lse_s - lse); no keys in any split: out 0, lse -inf."""
+    r = tl.program_id(0)
+    first = (r // ROWS) * SPLITS * ROWS + r % ROWS
+    m = float("-inf")
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(part_lse_ptr + first + s * ROWS))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    cols = tl.arange(0, DV)
+    acc = tl.zeros([DV], tl.float32)
+    total = 0.0
+    for s in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(part_lse_ptr + first + s * ROWS) - m_safe)
+        acc += w * tl.load(part_out_ptr + (first + s * ROWS) * DV + cols)
+        total += w
+    tl.store(out_ptr + r * DV + cols, (acc / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + r, m_safe + tl.log(total))
+
+
+def combine(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """``combine_kernel`` over out's R rows (out [R, 512], lse [R]; part_out [R x splits, 512] fp32,
+    part_lse [R x splits])."""
+    combine_kernel[(out.shape[0],)](part_out, part_lse, out, lse, splits, ROWS, DV)
 
 
 def paged_problem(
@@ -385,9 +435,11 @@ def stats_line(stats: dict) -> str:
     )
 
 
-def run_on_gpu(n_keys: int) -> str:
-    """Exactness against float64, then the loop's time beside lean's on DP attention's shape: 128
-    heads a sequence (2 programs), one sequence per 2 SMs, ``n_keys`` keys each, on 64-row pages."""
+def run_on_gpu(n_keys: int) -> list[str]:
+    """Exactness against float64, then the loop's time beside lean's on DP attention's shape, 128
+    heads a sequence on 64-row pages, ``n_keys`` keys each: a sequence per 2 SMs (a program a row
+    block), and the benchmark's B=32 with each sequence's keys split over enough programs to fill
+    the SMs (their partials merged by ``combine``)."""
     from bench_decode import Timer
 
     import lean_tp
@@ -395,25 +447,27 @@ def run_on_gpu(n_keys: int) -> str:
     def median_us(fn) -> float:
         return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
 
-    sequences = torch.cuda.get_device_properties(0).multi_processor_count // 2
-    problem = paged_problem([n_keys] * sequences, 2)
-    out, lse = mla_loop(*problem, 2)
-    check = 2  # sequences: the float64 reference of all of them is the cost
-    q, pool, seqlens, table = problem
-    ref_out, ref_lse = reference(q[: check * 2 * ROWS], pool, seqlens, table, 2)
-    unwritten = int(out.isnan().sum()) + int(lse.isnan().sum())
-    out_err = (out[: len(ref_out)].double() - ref_out).abs().max().item()
-    lse_err = (lse[: len(ref_lse)].double() - ref_lse).abs().max().item()
-    gluon_us = median_us(lambda: mla_loop(*problem, 2, out, lse))
-    lean_args = lean_inputs(*problem, 2)
-    lean_us = median_us(lambda: lean_tp.decode_attention(**lean_args))
-    iterations = -(-n_keys // BLOCK_N)
-    return (
-        f"{sequences} sequences x 128 heads x {n_keys} keys, 64-row pages: {unwritten} values unwritten, "
-        f"max |out - float64| {out_err:.2e}, "
-        f"|lse - float64| {lse_err:.2e}; gluon loop {gluon_us:.1f} us ({gluon_us / iterations:.2f} us a "
-        f"{BLOCK_N}-key iteration), lean.decode_attention {lean_us:.1f} us"
-    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = []
+    for sequences, splits in ((sms // 2, 1), (32, max(1, sms // 64))):
+        problem = paged_problem([n_keys] * sequences, 2)
+        out, lse = mla_loop(*problem, 2, splits=splits)
+        q, pool, seqlens, table = problem
+        ref_out, ref_lse = reference(q[: 2 * 2 * ROWS], pool, seqlens, table, 2)  # 2 sequences: float64's cost
+        unwritten = int(out.isnan().sum()) + int(lse.isnan().sum())
+        out_err = (out[: len(ref_out)].double() - ref_out).abs().max().item()
+        lse_err = (lse[: len(ref_lse)].double() - ref_lse).abs().max().item()
+        gluon_us = median_us(lambda: mla_loop(*problem, 2, out, lse, splits=splits))
+        lean_args = lean_inputs(*problem, 2)
+        lean_us = median_us(lambda: lean_tp.decode_attention(**lean_args))
+        iterations = -(-n_keys // BLOCK_N) / splits
+        lines.append(
+            f"{sequences} sequences x 128 heads x {n_keys} keys, 64-row pages, {splits} split(s): {unwritten} values "
+            f"unwritten, max |out - float64| {out_err:.2e}, |lse - float64| {lse_err:.2e}; gluon loop "
+            f"{gluon_us:.1f} us ({gluon_us / iterations:.2f} us a {BLOCK_N}-key iteration), lean.decode_attention "
+            f"{lean_us:.1f} us"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(stats_line(compiled_stats()))
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        print(run_on_gpu(args.keys))
+        print("\n".join(run_on_gpu(args.keys)))
     else:
         print("no sm_90 GPU: compiled statistics only")
     return 0

@@ -116,7 +116,7 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         )
     if "bench" in groups:
         # The Gluon MLA loop (benchmarks/mla_loop_gluon.py): exact against float64 and timed beside lean.
-        steps.append(("mla loop gluon", [py, "benchmarks/mla_loop_gluon.py"], 90))
+        steps.append(("mla loop gluon", [py, "benchmarks/mla_loop_gluon.py"], 120))
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
     if "profile" in groups:
         # The MLA loop's stall reasons by SASS line (docs/gpu.md): one launch under Nsight Compute,

@@ -30,20 +30,26 @@ def test_the_gluon_mla_loop_compiles_for_sm90_within_its_budget():
     assert 0 < stats["loop_sass"] < 670, stats
 
 
+def _script():
+    """The script as a module (its Gluon kernel is not compiled by importing it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mla_loop_gluon", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def test_lean_is_timed_on_the_gluon_loops_problem():
     """The script times ``lean_tp.decode_attention`` on ``lean_inputs``: the same rows, pages,
     lengths and scale as the Gluon loop, so lean's output matches the loop's float64 reference
     (torch backend: the argument checks are the kernel's; the numbers are the problem's). The pool's
     rows no sequence holds are NaN, as ``paged_problem`` builds it for the GPU test."""
-    import importlib.util
-
     import torch
 
     import lean_tp
 
-    spec = importlib.util.spec_from_file_location("mla_loop_gluon", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     problem = script.paged_problem([0, 37, 64, 130], blocks_per_seq=2, device="cpu")
     assert problem[1].isnan().any()  # the rest of a last page, and the page past every table's end
     ref_out, ref_lse = script.reference(*problem, blocks_per_seq=2)
@@ -53,3 +59,28 @@ def test_lean_is_timed_on_the_gluon_loops_problem():
     assert out.shape == (4, 2 * script.ROWS, script.DV)
     torch.testing.assert_close(out.double().reshape(ref_out.shape), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double().reshape(ref_lse.shape), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_split_partials_combine_into_the_whole_softmax():
+    """``combine`` (a Triton kernel: the interpreter runs it here) merges a row block's split
+    partials, laid out as the Gluon loop writes them, into attention over all the keys: three
+    splits of one sequence's keys, one of them empty (out 0, lse -inf), against float64."""
+    import torch
+
+    script = _script()
+    torch.manual_seed(0)
+    rows, splits, dv = 2 * script.ROWS, 3, script.DV
+    q, k, v = torch.randn(rows, 16).double(), torch.randn(150, 16).double(), torch.randn(150, dv).double()
+    runs = [(0, 64), (64, 150), (150, 150)]
+    part_out = torch.full((rows * splits, dv), float("nan"))
+    part_lse = torch.full((rows * splits,), float("nan"))
+    for s, (a, b) in enumerate(runs):
+        scores = q @ k[a:b].T
+        at = (torch.arange(rows) // script.ROWS * splits + s) * script.ROWS + torch.arange(rows) % script.ROWS
+        part_out[at] = (scores.softmax(-1) @ v[a:b]).float() if b > a else 0.0
+        part_lse[at] = scores.logsumexp(-1).float() if b > a else float("-inf")
+    out, lse = torch.full((rows, dv), float("nan")), torch.full((rows,), float("nan"))
+    script.combine(part_out, part_lse, splits, out, lse)
+    scores = q @ k.T
+    torch.testing.assert_close(out.double(), scores.softmax(-1) @ v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
