@@ -813,7 +813,6 @@ TUNING_TABLE[("sm100", 576, 2)] = dataclasses.replace(
     TUNING_TABLE[("sm90", 576, 2)],
     max_block_g=64,
     split_v_rows=None,
-    split_v_fewer_stages=0,
     reason=TUNING_TABLE[("sm90", 576, 2)].reason.replace(_MLA_COLS, "")
     + "; sm_100: 64-row blocks at 128 heads (column halves measured on sm_90 only)",
 )
