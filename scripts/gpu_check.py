@@ -115,8 +115,11 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
             )
         )
     if "bench" in groups:
-        # The Gluon MLA loop (benchmarks/mla_loop_gluon.py): exact against float64 and timed beside lean.
-        steps.append(("mla loop gluon", [py, "benchmarks/mla_loop_gluon.py"], 120))
+        # The Gluon MLA kernel (lean_tp.ops.mla_gluon): its CUDA test (ragged lengths, splits, NaN
+        # pages), then exact against float64 and timed beside lean (benchmarks/mla_decode_gluon.py).
+        gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", "tests/gpu/test_mla_decode_gluon_cuda.py"]
+        steps.append(("mla decode gluon tests", gluon_test, 120))
+        steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
     if "profile" in groups:
         # The MLA loop's stall reasons by SASS line (docs/gpu.md): one launch under Nsight Compute,
@@ -180,10 +183,10 @@ def loop_results(out: str) -> dict[str, str]:
         if os.path.exists(log):
             lines = [line.strip() for line in open(log) if "tokens/s" in line]
             found[f"transformers generate llama-3-8b {attention}"] = " | ".join(lines) or "no result"
-    log = os.path.join(out, "mla loop gluon.log")
+    log = os.path.join(out, "mla decode gluon.log")
     if os.path.exists(log):
         lines = [line.strip() for line in open(log) if line.startswith(("sm_90:", "no sm_90")) or "float64" in line]
-        found["mla loop gluon"] = " | ".join(lines) or "no result"
+        found["mla decode gluon"] = " | ".join(lines) or "no result"
     return found
 
 

@@ -112,7 +112,7 @@ def test_missing_optional_packages_are_reported_not_installed(monkeypatch):
 def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(sample))
     (tmp_path / "decode_tp 8b eager lean.log").write_text("noise\ndecode: 12.3 ms/step\n")
-    (tmp_path / "mla loop gluon.log").write_text(
+    (tmp_path / "mla decode gluon.log").write_text(
         "noise\nsm_90: 193 registers\nno sm_90 GPU: compiled statistics only\n"
     )
     steps = [dict(name="pytest tests/gpu", status="PASS", seconds=61.0)]
@@ -122,15 +122,16 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     assert record["rows"] == sample["rows"] and record["steps"] == steps
     assert record["loops"] == {
         "decode_tp llama-3-8b eager lean": "decode: 12.3 ms/step",
-        "mla loop gluon": "sm_90: 193 registers | no sm_90 GPU: compiled statistics only",
+        "mla decode gluon": "sm_90: 193 registers | no sm_90 GPU: compiled statistics only",
     }
     assert "| pytest tests/gpu | PASS | 61 |" in results.table(record)
 
 
 def test_planned_steps_run_in_order_of_value():
     names = [name for name, _, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")]
-    assert names[0] == "pytest tests/gpu" and names[1:3] == ["mla loop gluon", "bench_decode --quick"]
-    assert names[3:5] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
+    assert names[0] == "pytest tests/gpu"
+    assert names[1:4] == ["mla decode gluon tests", "mla decode gluon", "bench_decode --quick"]
+    assert names[4:6] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
         f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
     ]

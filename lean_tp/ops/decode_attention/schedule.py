@@ -283,3 +283,55 @@ def lean_schedule_kernel(
         b, hu, seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1, LANES)
         tile = 0
     tl.store(nseg_ptr + pid, tl.where(pid < n_active, n, -1))
+
+
+# Fields of one program's place as ``program_ranges_kernel`` writes it: t0, t1, b, hu, tile,
+# seq_len, total, n_active (``program_range``), then the output its last segment holds when the
+# program merges it (its first contributor, the output split): that output's row block
+# b * HU + hu, its contributors (0 when the program merges none) and the program's slot for it.
+RANGE_FIELDS = tl.constexpr(11)
+
+
+@triton.jit
+def program_ranges_kernel(
+    seqlens_ptr,  # (B,) int32
+    range_ptr,  # (num_programs, RANGE_FIELDS) int32 out
+    B,
+    HU,
+    num_programs,
+    num_sms,
+    max_span,
+    TILE_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_CONTRIB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    """Write every program's place in the schedule, for a kernel that walks it with the scalar
+    helpers alone (``next_unit``, ``program_of_tile``): the Gluon MLA kernel, whose language has no
+    layout-free ``arange`` for the batch scans. Inactive programs get t0 == t1."""
+    pid = tl.program_id(0)
+    total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
+        pid, seqlens_ptr, B, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
+    )
+    # The last segment: the output of tile t1 - 1, which may start before t0.
+    b_cum, _, _ = scan_batch(seqlens_ptr, B, HU // LANES, max_span, TILE_N, BLOCK_B)
+    t_last = tl.maximum(t1 - 1, t0)
+    lb, lhu, ltile, llen = locate(t_last, total, b_cum, seqlens_ptr, B, HU, max_span, LANES, TILE_N, BLOCK_B)
+    out_start = t_last - ltile
+    p_first = program_of_tile(out_start, total, n_active, LANES)
+    n_tiles = cdiv(tiled_span(llen, max_span, True), TILE_N)
+    n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active, LANES) - p_first + 1
+    merges = (t1 > t0) & (p_first == pid) & (n_contrib > 1)
+    p_out = range_ptr + pid * RANGE_FIELDS
+    tl.store(p_out + 0, t0)
+    tl.store(p_out + 1, t1)
+    tl.store(p_out + 2, b)
+    tl.store(p_out + 3, hu)
+    tl.store(p_out + 4, tile)
+    tl.store(p_out + 5, seq_len)
+    tl.store(p_out + 6, total)
+    tl.store(p_out + 7, n_active)
+    tl.store(p_out + 8, lb * HU + lhu)
+    tl.store(p_out + 9, tl.where(merges, n_contrib, 0))
+    tl.store(p_out + 10, (t0 < out_start).to(tl.int32))

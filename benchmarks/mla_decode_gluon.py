@@ -1,0 +1,169 @@
+"""The Gluon MLA kernel (``lean_tp.ops.mla_gluon``) on sm_90: its compiled statistics on any
+machine, and on an sm_90 GPU its result against float64 and its time beside
+``lean_tp.decode_attention`` on DP attention's shape (128 heads a sequence on 64-row pages).
+
+Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory in the K/V loop (one value
+saved and reloaded once a segment), 230 KB of shared memory, 494 SASS a 64-key iteration and 4832
+bytes of shared-memory reads a key, against lean's 64-row loop's 670 SASS a 32-key iteration and
+13120 bytes a key (kernel report).
+
+Measured on an H200 (docs/results/2026-11-27-nvidia-h200.json, triton 3.6), as a loop of one
+program a row block before the schedule, pages and ragged lengths (524 SASS an iteration, every
+block masked): exact against float64, 1303 us for 66 sequences of 128 heads and 32k keys against
+lean_tp.decode_attention's 2685 on the same problem, 2.54 us a 64-key iteration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import torch
+
+from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DR, DV, compile_sm90, mla_decode_gluon
+
+
+def paged_problem(
+    lens: list[int], heads: int = 128, device: str = "cuda", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [S, heads, 576], a pool [pages, 64, 576] whose pages are shuffled and whose rows no
+    sequence holds are NaN (the rest of a last page, and a page of its own), seqlens [S] and
+    block_table [S, max pages] (its entries past a sequence's pages point at the NaN page)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = [-(-n // BLOCK_N) for n in lens]
+    order = torch.randperm(sum(pages) + 1, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    table = torch.full((len(lens), max(max(pages), 1)), int(order[-1]), dtype=torch.int32)
+    held = torch.zeros((sum(pages) + 1) * BLOCK_N, dtype=torch.bool)
+    first = 0
+    for s, n in enumerate(lens):
+        table[s, : pages[s]] = order[first : first + pages[s]]
+        held[(table[s, : pages[s]].long()[:, None] * BLOCK_N + torch.arange(BLOCK_N)).reshape(-1)[:n]] = True
+        first += pages[s]
+    pool = torch.randn(held.numel(), DR + DV, generator=gen, device=device).bfloat16()
+    pool[~held.to(device)] = float("nan")
+    q = torch.randn(len(lens), heads, DR + DV, generator=gen, device=device).bfloat16()
+    return q, pool.view(-1, BLOCK_N, DR + DV), torch.tensor(lens, dtype=torch.int32, device=device), table.to(device)
+
+
+def reference(
+    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_decode_gluon`` in float64 (out [S, heads, 512], lse [S, heads]), for q's sequences."""
+    rows = pool.view(-1, pool.shape[-1])
+    outs, lses = [], []
+    for s in range(q.shape[0]):
+        n = int(seqlens[s])
+        at = block_table[s, : -(-n // BLOCK_N)].long()[:, None] * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
+        kv = rows[at.reshape(-1)[:n]].double()
+        scores = q[s].double() @ kv.T * q.shape[-1] ** -0.5
+        if n == 0:  # out 0, lse -inf
+            outs.append(torch.zeros(q.shape[1], DV, dtype=torch.float64, device=q.device))
+            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64, device=q.device))
+            continue
+        outs.append(scores.softmax(-1) @ kv[:, :DV])
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def lean_inputs(
+    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The same problem as ``lean_tp.decode_attention``'s arguments: q [S, heads, 576], the pool as
+    K [pages, 64, 1, 576] and V its first 512 columns, cache_seqlens and block_table."""
+    kv = pool.unsqueeze(2)
+    return dict(q=q, k_cache=kv, v_cache=kv[..., :DV], cache_seqlens=seqlens, block_table=block_table)
+
+
+def compiled_stats() -> dict[str, int]:
+    """The sm_90 kernel's registers, stack bytes, shared memory bytes, and its K/V loop's SASS,
+    local loads/stores and shared-memory bytes read a key (``lean_tp.tools.kernel_report.sass``),
+    with the HGMMA shapes of the loop."""
+    from lean_tp.tools.kernel_report.sass import (
+        _kv_loop_instructions,
+        dump,
+        kv_loop_of_sass,
+        kv_smem_read_bytes,
+        resources,
+    )
+
+    kernel = compile_sm90()
+    regs, stack, _ = resources(kernel.asm["cubin"])
+    local_anywhere = len(re.findall(r"\b(?:LDL|STL)\b", dump(kernel.asm["cubin"], "-sass")))
+    sass = dump(kernel.asm["cubin"], "-sass")
+    instructions, local = kv_loop_of_sass(sass)
+    # The opcode reads "HGMMA.64" and its operands "x32x16.F32.BF16 ...": the shape is both.
+    hgmma = sorted(
+        {(op + operands.split()[0]).rstrip(",") for op, operands in _kv_loop_instructions(sass) if op == "HGMMA.64"}
+    )
+    return dict(
+        registers=regs,
+        stack_bytes=stack,
+        shared_bytes=kernel.metadata.shared,
+        loop_sass=instructions,
+        loop_local=local,
+        local_anywhere=local_anywhere,
+        smem_read_per_key=kv_smem_read_bytes(sass, 8) // BLOCK_N,
+        hgmma=hgmma,
+    )
+
+
+def stats_line(stats: dict) -> str:
+    return (
+        f"sm_90: {stats['registers']} registers, {stats['stack_bytes']} bytes of stack, {stats['loop_local']} local "
+        f"loads/stores in the loop, {stats['shared_bytes']} bytes of shared memory, {stats['loop_sass']} SASS a "
+        f"{BLOCK_N}-key iteration, {stats['smem_read_per_key']} bytes of shared-memory reads a key, {stats['hgmma']}"
+    )
+
+
+def run_on_gpu(n_keys: int) -> list[str]:
+    """Exactness against float64, then the kernel's time beside lean's on DP attention's shape, 128
+    heads a sequence on 64-row pages, ``n_keys`` keys each: a sequence per 2 SMs, and the
+    benchmark's B=32, whose outputs the schedule splits over the SMs."""
+    from bench_decode import Timer
+
+    import lean_tp
+
+    def median_us(fn) -> float:
+        return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = []
+    for sequences in (sms // 2, 32):
+        problem = paged_problem([n_keys] * sequences)
+        out, lse = mla_decode_gluon(*problem)
+        q, pool, seqlens, table = problem
+        ref_out, ref_lse = reference(q[:2], pool, seqlens[:2], table[:2])
+        unwritten = int(out.isnan().sum()) + int(lse.isnan().sum())
+        out_err = (out[:2].double() - ref_out).abs().max().item()  # 2 sequences: float64's cost
+        lse_err = (lse[:2].double() - ref_lse).abs().max().item()
+        gluon_us = median_us(lambda: mla_decode_gluon(*problem))
+        lean_args = lean_inputs(*problem)
+        lean_us = median_us(lambda: lean_tp.decode_attention(**lean_args))
+        iterations = sequences * 2 * -(-n_keys // BLOCK_N) / sms
+        lines.append(
+            f"{sequences} sequences x 128 heads x {n_keys} keys, 64-row pages: {unwritten} values unwritten, max "
+            f"|out - float64| {out_err:.2e}, |lse - float64| {lse_err:.2e}; gluon {gluon_us:.1f} us "
+            f"({gluon_us / iterations:.2f} us a {BLOCK_N}-key iteration of an SM), lean.decode_attention "
+            f"{lean_us:.1f} us"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=32768, help="keys a sequence, on a GPU (32768)")
+    parser.add_argument("--json", action="store_true", help="print the compiled statistics as JSON, nothing else")
+    args = parser.parse_args(argv)
+    if args.json:
+        print(json.dumps(compiled_stats()))
+        return 0
+    print(stats_line(compiled_stats()))
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        print("\n".join(run_on_gpu(args.keys)))
+    else:
+        print("no sm_90 GPU: compiled statistics only")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The merge of ``mla_decode_gluon_kernel``'s split outputs, a Triton kernel (the interpreter runs
+it on CPU). Each split output is merged by its first contributor's programs here, one a slice of
+COLS of the 512 columns, so a split output's merge runs beside every other's and over its columns
+in parallel; empty sequences' outputs (no tiles, so no program of the main kernel holds them) are
+written here too.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS
+
+
+@triton.jit
+def mla_combine_kernel(
+    range_ptr,  # (num_programs, RANGE_FIELDS) int32: schedule.program_ranges_kernel's
+    seqlens_ptr,  # (B,) int32
+    part_out_ptr,  # (num_programs, 2, ROWS, DV) fp32: normalized partials, in each program's slots
+    part_lse_ptr,  # (num_programs, 2, ROWS) fp32, natural log
+    out_ptr,  # (B x HU x ROWS, DV) bf16
+    lse_ptr,  # (B x HU x ROWS,) fp32
+    num_programs,
+    B,
+    HU: tl.constexpr,
+    ROWS: tl.constexpr,
+    DV: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """Program (i, c), columns [c COLS, (c + 1) COLS): as program i of the main kernel, the output
+    its last segment holds when it is that output's first contributor and others share it:
+    contributor k's partial is in slot 0 of program i + k, the first one's in the slot the range
+    names, weighted by exp(lse_k - max lse). As row block i (i < B x HU) of an empty sequence:
+    out 0, lse -inf."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    o_r = tl.arange(0, ROWS)
+    o_c = c * COLS + tl.arange(0, COLS)
+    place = range_ptr + i * RANGE_FIELDS
+    n_contrib = tl.load(place + 9, mask=i < num_programs, other=0)
+    if n_contrib > 1:
+        row0 = tl.load(place + 8) * ROWS
+        slot = tl.load(place + 10)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for k in range(n_contrib):
+            at = (i + k) * 2 + tl.where(k == 0, slot, 0)
+            m = tl.maximum(m, tl.load(part_lse_ptr + at * ROWS + o_r))
+        acc = tl.zeros([ROWS, COLS], tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        for k in range(n_contrib):
+            at = (i + k) * 2 + tl.where(k == 0, slot, 0)
+            w = tl.exp(tl.load(part_lse_ptr + at * ROWS + o_r) - m)
+            acc += w[:, None] * tl.load(part_out_ptr + (at * ROWS + o_r)[:, None] * DV + o_c[None, :])
+            total += w
+        rows = row0 + o_r
+        tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + rows, m + tl.log(total), mask=c == 0)
+    seq_len = tl.load(seqlens_ptr + i // HU, mask=i < B * HU, other=1)
+    if seq_len == 0:
+        rows = i * ROWS + o_r
+        tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], tl.zeros([ROWS, COLS], out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=c == 0)

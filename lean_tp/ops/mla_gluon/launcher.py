@@ -1,0 +1,145 @@
+"""Launcher of the Gluon MLA kernel: the checks, the schedule's ranges, the kernel, the merge."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from lean_tp.ops.decode_attention.cache import valid_keys
+from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, check_tile_count
+from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, program_ranges_kernel
+from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MIN_TILES_PER_PROGRAM, SCHEDULE_BLOCK_B
+from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
+
+ROWS, DV, DR = 64, 512, 64  # kernel.ROWS, DV, DR: this module imports no Gluon until a launch
+BLOCK_N, STAGES = 64, 2
+COMBINE_COLS = 128  # columns a merge program folds: 4 programs an output's 512
+
+
+def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor):
+    """``ValueError``/``TypeError`` naming the argument for anything the kernel does not take (the
+    device last)."""
+    if q.dtype != torch.bfloat16 or pool.dtype != torch.bfloat16:
+        raise TypeError(f"q, pool: expected bfloat16, got {q.dtype} and {pool.dtype}")
+    if q.dim() != 3 or q.shape[1] % ROWS or q.shape[2] != DV + DR or not q.is_contiguous():
+        raise ValueError(
+            f"q: expected a contiguous (B, H, {DV + DR}) with H a multiple of {ROWS}, got {tuple(q.shape)}"
+        )
+    if pool.dim() != 3 or pool.shape[1:] != (BLOCK_N, DV + DR) or not pool.is_contiguous():
+        raise ValueError(f"pool: expected a contiguous (pages, {BLOCK_N}, {DV + DR}), got {tuple(pool.shape)}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (q.shape[0],):
+        raise ValueError(
+            f"cache_seqlens: expected int32 ({q.shape[0]},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
+        )
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"block_table: expected int32 ({q.shape[0]}, pages), got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    on_sm90 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
+    if not on_sm90:
+        raise ValueError(f"q: expected a tensor on an sm_90 CUDA device (TMA and wgmma), got one on {q.device}")
+
+
+def program_ranges(cache_seqlens: torch.Tensor, head_units: int, num_programs: int) -> torch.Tensor:
+    """(num_programs, RANGE_FIELDS) int32: each program's place in lean's schedule of 64-key tiles
+    over ``head_units`` 64-row blocks a sequence, read in step (one lane a row block)."""
+    ranges = torch.empty(num_programs, RANGE_FIELDS.value, dtype=torch.int32, device=cache_seqlens.device)
+    program_ranges_kernel[(num_programs,)](
+        cache_seqlens, ranges, cache_seqlens.shape[0], head_units, num_programs, num_programs, NO_SPAN_LIMIT,
+        TILE_N=BLOCK_N, MIN_TILES=MIN_TILES_PER_PROGRAM, MAX_CONTRIB=MAX_CONTRIBUTORS, BLOCK_B=SCHEDULE_BLOCK_B,
+        LANES=head_units,
+    )  # fmt: skip
+    return ranges
+
+
+def combine(
+    ranges: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    head_units: int,
+) -> None:
+    """``mla_combine_kernel`` into out (B x head_units x 64, 512) and lse (B x head_units x 64,)
+    from the main kernel's part_out (programs, 2, 64, 512) and part_lse (programs, 2, 64)."""
+    grid = (max(ranges.shape[0], out.shape[0] // ROWS), DV // COMBINE_COLS)
+    mla_combine_kernel[grid](
+        ranges, cache_seqlens, part_out, part_lse, out, lse, ranges.shape[0], cache_seqlens.shape[0],
+        HU=head_units, ROWS=ROWS, DV=DV, COLS=COMBINE_COLS,
+    )  # fmt: skip
+
+
+def mla_decode_gluon(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_programs: int | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode on sm_90: out (B, H, 512) bf16 and lse (B, H) fp32 (natural log; 0 and -inf for
+    an empty sequence).
+
+    Args:
+        q: (B, H, 576) bf16, H a multiple of 64 (Tq 1).
+        pool: (pages, 64, 576) bf16, the latent cache's pages; V is each row's first 512 columns.
+        cache_seqlens: (B,) int32, clamped to the block table's capacity as lean's launch clamps it.
+        block_table: (B, max pages) int32.
+        num_programs: the grid (default the SM count: one 225 KB program an SM).
+        softmax_scale: default 576 ** -0.5.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
+
+    check_gluon_inputs(q, pool, cache_seqlens, block_table)
+    batch, heads, _ = q.shape
+    head_units = heads // ROWS
+    num_programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
+    num_programs -= num_programs % head_units
+    check_tile_count(batch, head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
+    seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
+    ranges = program_ranges(seqlens, head_units, num_programs)
+    out = torch.empty(batch * heads, DV, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(batch * heads, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(num_programs, 2, ROWS, DV, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_programs, 2, ROWS, dtype=torch.float32, device=q.device)
+
+    def desc(t: torch.Tensor, shape: list[int]) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t, shape, smem_layout(shape))
+
+    q2, pool2 = q.view(-1, DV + DR), pool.view(-1, DV + DR)
+    scale = softmax_scale if softmax_scale is not None else (DV + DR) ** -0.5
+    mla_decode_gluon_kernel[(num_programs,)](
+        desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
+        out, lse, part_out, part_lse, ranges, seqlens, block_table, block_table.stride(0), batch,
+        scale * math.log2(math.e), head_units, head_units, BLOCK_N, STAGES, num_warps=8,
+    )  # fmt: skip
+    combine(ranges, seqlens, part_out, part_lse, out, lse, head_units)
+    return out.view(batch, heads, DV), lse.view(batch, heads)
+
+
+def compile_sm90(head_units: int = 2):
+    """The kernel compiled for sm_90 on any machine, its descriptors' types as a launch has them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
+
+    def desc(shape: list[int]) -> str:
+        return f"tensordesc<bf16[{shape[0]},{shape[1]}],{smem_layout(shape)!r}>"
+
+    pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+    pointers.update(range_ptr="*i32", seqlens_ptr="*i32", block_table_ptr="*i32")
+    signature = {
+        "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV]),
+        "kr_desc": desc([BLOCK_N, DR]), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
+        "HU": "constexpr", "LANES": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+    }  # fmt: skip
+    constexprs = {"HU": head_units, "LANES": head_units, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 11)}
+    source = GluonASTSource(mla_decode_gluon_kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

@@ -1,0 +1,150 @@
+"""The Gluon MLA kernel (``lean_tp.ops.mla_gluon``) on CPU: its schedule's ranges, its merge and its
+compiled code. The kernel itself needs an sm_90 GPU (tests/gpu/test_mla_decode_gluon_cuda.py, and
+benchmarks/mla_decode_gluon.py under scripts/gpu_check.py); here the interpreter runs the two
+Triton kernels around it, and the kernel's walk is modelled by the segments ``lean_schedule``
+writes with the same helpers."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lean_tp.ops.decode_attention.archs import ARCHS
+from lean_tp.ops.decode_attention.launcher import lean_schedule
+from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, combine, program_ranges
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_decode_gluon.py"
+LENS = [0, 1, 63, 64, 65, 130, 0, 700, 64 * 20 + 3]
+
+
+def _script():
+    """The benchmark script as a module (for its problem and float64 reference)."""
+    spec = importlib.util.spec_from_file_location("mla_decode_gluon", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_gluon_mla_kernel_compiles_for_sm90_within_its_budget():
+    """No local memory in the K/V loop (one value saved once and reloaded once a segment outside
+    it), shared memory within an H100 block's, and a 64-key iteration that reads under 5000 bytes
+    of shared memory a key (lean's 64-row loop: 13120, kernel report) with both products on wgmma
+    (each warp group's half: 64 x 32 of the score, 64 x 256 of P.V), in fewer SASS than lean's
+    64-row loop takes for 32 keys (670). Compiled in a process of its own: after an interpreted
+    launch in the same process, triton 3.7.1 fails to compile a Gluon kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout)
+    assert stats["loop_local"] == 0 and stats["local_anywhere"] <= 2 and stats["registers"] <= 255, stats
+    assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats  # the most a block may opt into
+    assert 0 < stats["smem_read_per_key"] < 5000, stats
+    assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x32x16.F32.BF16"], stats
+    assert 0 < stats["loop_sass"] < 670, stats
+
+
+@pytest.mark.parametrize("head_units,num_programs", [(1, 3), (2, 2), (2, 8), (2, 24)])
+def test_program_ranges_are_where_the_schedules_segments_start(head_units, num_programs):
+    """Each program's range starts at its first segment of ``lean_schedule`` (same helpers, a lane
+    a row block) and spans its tiles; the program that merges an output is its first contributor,
+    with the output's contributors and its own slot, and no other program merges it."""
+    seqlens = torch.tensor(LENS, dtype=torch.int32)
+    ranges = program_ranges(seqlens, head_units, num_programs).tolist()
+    programs = lean_schedule(seqlens, head_units, BLOCK_N, num_programs, num_sms=num_programs, lanes=head_units)
+    merged = set()
+    for p, row in enumerate(ranges):
+        t0, t1, b, hu, tile, _, total, _, out_block, n_contrib, slot = row
+        segs = programs[p] if p < len(programs) else []
+        assert t1 - t0 == sum(s.n_tiles for s in segs), (p, row, segs)
+        if not segs:
+            assert n_contrib == 0
+            continue
+        assert (b, hu, tile) == (segs[0].b, segs[0].head_unit, segs[0].first_tile), (p, row, segs)
+        last = segs[-1]
+        if last.contributors > 1 and last.index == 0:
+            assert (out_block, n_contrib, slot) == (last.b * head_units + last.head_unit, last.contributors, last.slot)
+            merged.add(out_block)
+        else:
+            assert n_contrib == 0, (p, row, segs)
+    split = {s.b * head_units + s.head_unit for segs in programs for s in segs if s.contributors > 1}
+    assert merged == split and total == sum(-(-n // BLOCK_N) for n in LENS) * head_units
+
+
+@pytest.mark.parametrize("head_units,num_programs", [(1, 3), (2, 8), (2, 24)])
+def test_partials_written_as_the_kernel_walks_merge_into_float64(head_units, num_programs):
+    """The kernel's walk modelled in float64 from ``lean_schedule``'s segments: a whole output
+    stored at its rows, a split one's normalized partial and lse in the program's slot (0 for its
+    first segment, 1 for its last); ``combine`` (interpreted) merges the split ones and writes the
+    empty sequences', so out and lse, NaN before, match the float64 reference everywhere."""
+    script = _script()
+    q, pool, seqlens, table = script.paged_problem(LENS, heads=head_units * ROWS, device="cpu", seed=head_units)
+    ref_out, ref_lse = script.reference(q, pool, seqlens, table)
+    rows = q.shape[0] * q.shape[1]
+    out, lse = torch.full((rows, DV), float("nan")), torch.full((rows,), float("nan"))
+    part_out = torch.full((num_programs, 2, ROWS, DV), float("nan"))
+    part_lse = torch.full((num_programs, 2, ROWS), float("nan"))
+    keys = pool.view(-1, pool.shape[-1]).double()
+    for p, segs in enumerate(lean_schedule(seqlens, head_units, BLOCK_N, num_programs, lanes=head_units)):
+        for s in segs:
+            first, n = s.first_tile * BLOCK_N, min(int(seqlens[s.b]), (s.first_tile + s.n_tiles) * BLOCK_N)
+            at = table[s.b].long().repeat_interleave(BLOCK_N) * BLOCK_N + torch.arange(BLOCK_N).repeat(table.shape[1])
+            kv = keys[at[first:n]]
+            qs = q[s.b, s.head_unit * ROWS : (s.head_unit + 1) * ROWS].double()
+            scores = qs @ kv.T * q.shape[-1] ** -0.5
+            o, l = scores.softmax(-1) @ kv[:, :DV], scores.logsumexp(-1)
+            if s.contributors == 1:
+                at_rows = slice((s.b * head_units + s.head_unit) * ROWS, (s.b * head_units + s.head_unit + 1) * ROWS)
+                out[at_rows], lse[at_rows] = o.float(), l.float()
+            else:
+                part_out[p, s.slot], part_lse[p, s.slot] = o.float(), l.float()
+    out16 = out.bfloat16()
+    combine(program_ranges(seqlens, head_units, num_programs), seqlens, part_out, part_lse, out16, lse, head_units)
+    torch.testing.assert_close(out16.double().view_as(ref_out), ref_out, atol=1e-2, rtol=0)
+    torch.testing.assert_close(lse.double().view_as(ref_lse), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_lean_is_timed_on_the_gluon_kernels_problem():
+    """The script times ``lean_tp.decode_attention`` on ``lean_inputs``: the same rows, pages,
+    lengths and scale as the Gluon kernel, so lean's output matches the kernel's float64 reference
+    (torch backend: the argument checks are the kernel's; the numbers are the problem's). The pool's
+    rows no sequence holds are NaN, as ``paged_problem`` builds it for the GPU test."""
+    import lean_tp
+
+    script = _script()
+    problem = script.paged_problem([0, 37, 64, 130], device="cpu")
+    assert problem[1].isnan().any()  # the rest of a last page, and the page past every table's end
+    ref_out, ref_lse = script.reference(*problem)
+    out, lse = lean_tp.decode_attention(**script.lean_inputs(*problem), return_lse=True, backend="torch")
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "change,error,name",
+    [
+        (dict(), ValueError, "q: expected a tensor on an sm_90"),
+        (dict(q=torch.zeros(2, 128, 576)), TypeError, "q, pool: expected bfloat16"),
+        (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), ValueError, "q: expected a contiguous"),
+        (dict(pool=torch.zeros(4, 32, 576, dtype=torch.bfloat16)), ValueError, "pool: expected"),
+        (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, "cache_seqlens: expected int32"),
+        (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table: expected int32"),
+    ],
+)
+def test_bad_input_is_refused_by_name(change, error, name):
+    """Every argument the kernel cannot take is named; the device is checked last, so that here
+    the inputs it takes are refused for being on the CPU."""
+    from lean_tp.ops.mla_gluon import launcher
+
+    args = dict(
+        q=torch.zeros(2, 128, 576, dtype=torch.bfloat16),
+        pool=torch.zeros(4, 64, 576, dtype=torch.bfloat16),
+        cache_seqlens=torch.zeros(2, dtype=torch.int32),
+        block_table=torch.zeros(2, 4, dtype=torch.int32),
+    )
+    with pytest.raises(error, match=name):
+        launcher.check_gluon_inputs(**(args | change))
