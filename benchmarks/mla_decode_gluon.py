@@ -2,9 +2,8 @@
 machine, and on an sm_90 GPU its result against float64 and its time beside
 ``lean_tp.decode_attention`` on DP attention's shape (128 heads a sequence on 64-row pages).
 
-Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory in the K/V loop (one value
-saved and reloaded once a segment), 230 KB of shared memory, 494 SASS a 64-key iteration and 4832
-bytes of shared-memory reads a key, against lean's 64-row loop's 670 SASS a 32-key iteration and
+Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 495
+SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's 670 SASS a 32-key iteration and
 13120 bytes a key (kernel report).
 
 Measured on an H200 (docs/results/2026-11-27-nvidia-h200.json, triton 3.6), as a loop of one
@@ -24,11 +23,12 @@ from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DR, DV, compile_sm90, mla_de
 
 
 def paged_problem(
-    lens: list[int], heads: int = 128, device: str = "cuda", seed: int = 0
+    lens: list[int], heads: int = 128, device: str = "cuda", seed: int = 0, tq: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [S, heads, 576], a pool [pages, 64, 576] whose pages are shuffled and whose rows no
-    sequence holds are NaN (the rest of a last page, and a page of its own), seqlens [S] and
-    block_table [S, max pages] (its entries past a sequence's pages point at the NaN page)."""
+    """q [S, heads, 576] (tq 1) or [S, tq, heads, 576], a pool [pages, 64, 576] whose pages are
+    shuffled and whose rows no sequence holds are NaN (the rest of a last page, and a page of its
+    own), seqlens [S] and block_table [S, max pages] (its entries past a sequence's pages point at
+    the NaN page)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     pages = [-(-n // BLOCK_N) for n in lens]
     order = torch.randperm(sum(pages) + 1, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
@@ -41,34 +41,37 @@ def paged_problem(
         first += pages[s]
     pool = torch.randn(held.numel(), DR + DV, generator=gen, device=device).bfloat16()
     pool[~held.to(device)] = float("nan")
-    q = torch.randn(len(lens), heads, DR + DV, generator=gen, device=device).bfloat16()
+    q = torch.randn(len(lens), tq, heads, DR + DV, generator=gen, device=device).bfloat16()
+    q = q[:, 0] if tq == 1 else q
     return q, pool.view(-1, BLOCK_N, DR + DV), torch.tensor(lens, dtype=torch.int32, device=device), table.to(device)
 
 
 def reference(
     q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla_decode_gluon`` in float64 (out [S, heads, 512], lse [S, heads]), for q's sequences."""
+    """``mla_decode_gluon`` in float64 (out in q's shape with last dim 512, lse q's shape without
+    it) for q's sequences: query token t of Tq sees keys [0, seqlens - Tq + t]."""
     rows = pool.view(-1, pool.shape[-1])
-    outs, lses = [], []
-    for s in range(q.shape[0]):
+    q4 = q if q.dim() == 4 else q.unsqueeze(1)
+    tq = q4.shape[1]
+    out = torch.zeros(*q4.shape[:-1], DV, dtype=torch.float64, device=q.device)
+    lse = torch.full(q4.shape[:-1], float("-inf"), dtype=torch.float64, device=q.device)
+    for s in range(q4.shape[0]):
         n = int(seqlens[s])
         at = block_table[s, : -(-n // BLOCK_N)].long()[:, None] * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
         kv = rows[at.reshape(-1)[:n]].double()
-        scores = q[s].double() @ kv.T * q.shape[-1] ** -0.5
-        if n == 0:  # out 0, lse -inf
-            outs.append(torch.zeros(q.shape[1], DV, dtype=torch.float64, device=q.device))
-            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64, device=q.device))
-            continue
-        outs.append(scores.softmax(-1) @ kv[:, :DV])
-        lses.append(scores.logsumexp(-1))
-    return torch.stack(outs), torch.stack(lses)
+        for t in range(tq):
+            seen = kv[: max(n - tq + 1 + t, 0)]
+            if len(seen):  # else out 0, lse -inf
+                scores = q4[s, t].double() @ seen.T * q.shape[-1] ** -0.5
+                out[s, t], lse[s, t] = scores.softmax(-1) @ seen[:, :DV], scores.logsumexp(-1)
+    return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
 
 
 def lean_inputs(
     q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The same problem as ``lean_tp.decode_attention``'s arguments: q [S, heads, 576], the pool as
+    """The same problem as ``lean_tp.decode_attention``'s arguments: q as it is, the pool as
     K [pages, 64, 1, 576] and V its first 512 columns, cache_seqlens and block_table."""
     kv = pool.unsqueeze(2)
     return dict(q=q, k_cache=kv, v_cache=kv[..., :DV], cache_seqlens=seqlens, block_table=block_table)

@@ -75,35 +75,43 @@ def test_program_ranges_are_where_the_schedules_segments_start(head_units, num_p
     assert merged == split and total == sum(-(-n // BLOCK_N) for n in LENS) * head_units
 
 
-@pytest.mark.parametrize("head_units,num_programs", [(1, 3), (2, 8), (2, 24)])
-def test_partials_written_as_the_kernel_walks_merge_into_float64(head_units, num_programs):
-    """The kernel's walk modelled in float64 from ``lean_schedule``'s segments: a whole output
+@pytest.mark.parametrize("heads,tq,num_programs", [(64, 1, 3), (128, 1, 8), (128, 1, 24), (64, 3, 8)])
+def test_partials_written_as_the_kernel_walks_merge_into_float64(heads, tq, num_programs):
+    """The kernel's walk modelled in float64 from ``lean_schedule``'s segments: each unit's rows
+    against the keys its token sees in the segment's tiles (none: out 0, lse -inf), a whole output
     stored at its rows, a split one's normalized partial and lse in the program's slot (0 for its
     first segment, 1 for its last); ``combine`` (interpreted) merges the split ones and writes the
-    empty sequences', so out and lse, NaN before, match the float64 reference everywhere."""
+    empty sequences', so out and lse, NaN before, match the float64 reference everywhere. With 3
+    query tokens, a length of 1 leaves the first token no key, and 65 hides keys of two tiles from
+    it."""
     script = _script()
-    q, pool, seqlens, table = script.paged_problem(LENS, heads=head_units * ROWS, device="cpu", seed=head_units)
+    q, pool, seqlens, table = script.paged_problem(LENS, heads=heads, device="cpu", seed=heads + tq, tq=tq)
     ref_out, ref_lse = script.reference(q, pool, seqlens, table)
-    rows = q.shape[0] * q.shape[1]
-    out, lse = torch.full((rows, DV), float("nan")), torch.full((rows,), float("nan"))
+    units = tq * heads // ROWS
+    q_rows = q.reshape(len(LENS), units, ROWS, q.shape[-1]).double()
+    out, lse = (
+        torch.full((q_rows.numel() // q.shape[-1], DV), float("nan")),
+        torch.full((len(LENS) * units * ROWS,), float("nan")),
+    )
     part_out = torch.full((num_programs, 2, ROWS, DV), float("nan"))
     part_lse = torch.full((num_programs, 2, ROWS), float("nan"))
     keys = pool.view(-1, pool.shape[-1]).double()
-    for p, segs in enumerate(lean_schedule(seqlens, head_units, BLOCK_N, num_programs, lanes=head_units)):
+    for p, segs in enumerate(lean_schedule(seqlens, units, BLOCK_N, num_programs, lanes=units)):
         for s in segs:
-            first, n = s.first_tile * BLOCK_N, min(int(seqlens[s.b]), (s.first_tile + s.n_tiles) * BLOCK_N)
+            seen = int(seqlens[s.b]) - tq + 1 + s.head_unit // (units // tq)
+            first, end = s.first_tile * BLOCK_N, min(max(seen, 0), (s.first_tile + s.n_tiles) * BLOCK_N)
             at = table[s.b].long().repeat_interleave(BLOCK_N) * BLOCK_N + torch.arange(BLOCK_N).repeat(table.shape[1])
-            kv = keys[at[first:n]]
-            qs = q[s.b, s.head_unit * ROWS : (s.head_unit + 1) * ROWS].double()
-            scores = qs @ kv.T * q.shape[-1] ** -0.5
-            o, l = scores.softmax(-1) @ kv[:, :DV], scores.logsumexp(-1)
+            kv = keys[at[first : max(end, first)]]
+            scores = q_rows[s.b, s.head_unit] @ kv.T * q.shape[-1] ** -0.5
+            o = scores.softmax(-1) @ kv[:, :DV] if len(kv) else torch.zeros(ROWS, DV, dtype=torch.float64)
+            l = scores.logsumexp(-1)
             if s.contributors == 1:
-                at_rows = slice((s.b * head_units + s.head_unit) * ROWS, (s.b * head_units + s.head_unit + 1) * ROWS)
-                out[at_rows], lse[at_rows] = o.float(), l.float()
+                rows = slice((s.b * units + s.head_unit) * ROWS, (s.b * units + s.head_unit + 1) * ROWS)
+                out[rows], lse[rows] = o.float(), l.float()
             else:
                 part_out[p, s.slot], part_lse[p, s.slot] = o.float(), l.float()
     out16 = out.bfloat16()
-    combine(program_ranges(seqlens, head_units, num_programs), seqlens, part_out, part_lse, out16, lse, head_units)
+    combine(program_ranges(seqlens, units, num_programs), seqlens, part_out, part_lse, out16, lse, units)
     torch.testing.assert_close(out16.double().view_as(ref_out), ref_out, atol=1e-2, rtol=0)
     torch.testing.assert_close(lse.double().view_as(ref_lse), ref_lse, atol=1e-5, rtol=1e-5)
 

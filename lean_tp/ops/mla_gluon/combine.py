@@ -46,6 +46,7 @@ def mla_combine_kernel(
         for k in range(n_contrib):
             at = (i + k) * 2 + tl.where(k == 0, slot, 0)
             m = tl.maximum(m, tl.load(part_lse_ptr + at * ROWS + o_r))
+        m = tl.where(m == float("-inf"), 0.0, m)  # no contributor saw a key: out 0, lse -inf
         acc = tl.zeros([ROWS, COLS], tl.float32)
         total = tl.zeros([ROWS], tl.float32)
         for k in range(n_contrib):
@@ -54,9 +55,10 @@ def mla_combine_kernel(
             acc += w[:, None] * tl.load(part_out_ptr + (at * ROWS + o_r)[:, None] * DV + o_c[None, :])
             total += w
         rows = row0 + o_r
-        tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty))
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], out.to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + rows, m + tl.log(total), mask=c == 0)
-    seq_len = tl.load(seqlens_ptr + i // HU, mask=i < B * HU, other=1)
+    seq_len = tl.load(seqlens_ptr + i // HU, mask=i < B * HU, other=1)  # HU: the units of all Tq tokens
     if seq_len == 0:
         rows = i * ROWS + o_r
         tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], tl.zeros([ROWS, COLS], out_ptr.dtype.element_ty))

@@ -52,6 +52,7 @@ def mla_decode_gluon_kernel(
     scale_log2,
     HU: gl.constexpr,
     LANES: gl.constexpr,
+    TQ: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
@@ -61,7 +62,8 @@ def mla_decode_gluon_kernel(
     columns), seqlens[b] keys. Outputs: out [R, 512] bf16 and lse [R] fp32 (natural log) of the
     outputs this program holds whole; part_out [programs, 2, 64, 512] and part_lse
     [programs, 2, 64] fp32 of the split ones, in slot 0 for the program's first segment and 1 for
-    its last. scale_log2: the softmax scale times log2(e)."""
+    its last. Rows are (token, head) of TQ query tokens a sequence, HU // TQ units a token; token t
+    sees keys [0, seqlens[b] - TQ + t]. scale_log2: the softmax scale times log2(e)."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     # Warp group g computes keys [g BLOCK_N / 2, (g + 1) BLOCK_N / 2) of the score and columns
@@ -95,22 +97,29 @@ def mla_decode_gluon_kernel(
         p_first = program_of_tile(out_start, total, n_active, LANES)
         n_contrib = program_of_tile(out_start + n_tiles - 1, total, n_active, LANES) - p_first + 1
         row0 = (b * HU + hu) * M
+        # The unit's query token t (rows are token-major) sees the keys up to its position,
+        # seq_len - TQ + t; its blocks are those that hold any of them, every one but the last whole.
+        unit_len = gl.maximum(seq_len - (TQ - 1 - hu // (HU // TQ)), 0)
+        n_blocks = gl.minimum(gl.maximum(cdiv(unit_len, BLOCK_N) - tile, 0), seg_end - t)
         # Where the result goes, decided before the loop so that nothing else stays live across it.
         split = n_contrib > 1
         dest = gl.where(split, (pid * 2 + (t0 < out_start).to(gl.int32)) * M, row0)
-        n_blocks = seg_end - t
-        m_i, l_i, acc = _segment(
-            qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars,
-            kr_bars, row0, block_table_ptr + b * table_stride + tile, n_blocks,
-            gl.minimum(seq_len - (tile + n_blocks - 1) * BLOCK_N, BLOCK_N), done, segments, scale_log2,
-            s_layout, o_layout, BLOCK_N, STAGES,
-        )  # fmt: skip
+        m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.full([M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([M, DV], gl.float32, o_layout)
+        if n_blocks > 0:
+            m_i, l_i, acc = _segment(
+                qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars,
+                kr_bars, row0, block_table_ptr + b * table_stride + tile, n_blocks,
+                unit_len - (tile + n_blocks - 1) * BLOCK_N, done, segments, scale_log2, m_i, l_i, acc,
+                BLOCK_N, STAGES,
+            )  # fmt: skip
+            segments += 1
         if split:
             _store(part_out_ptr, part_lse_ptr, dest, m_i, l_i, acc)
         else:
             _store(out_ptr, lse_ptr, dest, m_i, l_i, acc)
         done += n_blocks
-        segments += 1
         t = seg_end
         b, hu, seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1, LANES)
         tile = 0
@@ -150,14 +159,13 @@ def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES:
 @gluon.jit
 def _segment(
     qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars, kr_bars,
-    q_row, pages, n_blocks, last_valid, done, segments, scale_log2,
-    s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_row, pages, n_blocks, last_valid, done, segments, scale_log2, m_i, l_i, acc,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One output's blocks of this program: the n_blocks pages from ``pages`` against q rows
-    [q_row, q_row + 64), the last block's keys from ``last_valid`` on masked (and its rows there
-    zeroed); block i uses buffer (done + i) % STAGES. Returns (row max in log2 units, row sum,
-    unnormalized output)."""
-    M: gl.constexpr = 64
+    """One output's blocks of this program (n_blocks >= 1), folded into (m_i, l_i, acc): the pages
+    from ``pages`` against q rows [q_row, q_row + 64), the last block's keys from ``last_valid``
+    (1 to 64) on masked and its rows there zeroed; block i uses buffer (done + i) % STAGES.
+    Returns (row max in log2 units, row sum, unnormalized output)."""
     DV: gl.constexpr = 512
     # The previous segment's blocks and q are read by both warp groups until here.
     _cta_barrier()
@@ -170,9 +178,6 @@ def _segment(
         _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row, st < n_blocks)
     mbarrier.wait(q_bar, phase=segments & 1)
 
-    m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.full([M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([M, DV], gl.float32, o_layout)
     # Every block but the segment's last is whole: no mask.
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
@@ -257,13 +262,14 @@ def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, DV: gl.constexpr):
 
 @gluon.jit
 def _store(out_ptr, lse_ptr, row0, m_i, l_i, acc):
-    """Rows [row0, row0 + 64) of out (acc / l, in out's dtype) and lse (natural log)."""
+    """Rows [row0, row0 + 64) of out (acc / l, in out's dtype) and lse (natural log); a unit that
+    sees no key (l = 0: a verified token before the first key) gets 0 and -inf."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
-    out = acc / gl.expand_dims(l_o, 1)
+    out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
     rows_o = row0 + gl.arange(0, M, layout=row_o)
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(out_ptr.dtype.element_ty))

@@ -16,6 +16,7 @@ from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 ROWS, DV, DR = 64, 512, 64  # kernel.ROWS, DV, DR: this module imports no Gluon until a launch
 BLOCK_N, STAGES = 64, 2
 COMBINE_COLS = 128  # columns a merge program folds: 4 programs an output's 512
+MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
 
 
 def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor):
@@ -23,9 +24,11 @@ def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch
     device last)."""
     if q.dtype != torch.bfloat16 or pool.dtype != torch.bfloat16:
         raise TypeError(f"q, pool: expected bfloat16, got {q.dtype} and {pool.dtype}")
-    if q.dim() != 3 or q.shape[1] % ROWS or q.shape[2] != DV + DR or not q.is_contiguous():
+    tq = q.shape[1] if q.dim() == 4 else 1
+    if q.dim() not in (3, 4) or q.shape[-2] % ROWS or q.shape[-1] != DV + DR or not q.is_contiguous() or tq > MAX_TQ:
         raise ValueError(
-            f"q: expected a contiguous (B, H, {DV + DR}) with H a multiple of {ROWS}, got {tuple(q.shape)}"
+            f"q: expected a contiguous (B, H, {DV + DR}) or (B, Tq, H, {DV + DR}) with H a multiple of {ROWS} and "
+            f"Tq <= {MAX_TQ}, got {tuple(q.shape)}"
         )
     if pool.dim() != 3 or pool.shape[1:] != (BLOCK_N, DV + DR) or not pool.is_contiguous():
         raise ValueError(f"pool: expected a contiguous (pages, {BLOCK_N}, {DV + DR}), got {tuple(pool.shape)}")
@@ -44,7 +47,8 @@ def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch
 
 def program_ranges(cache_seqlens: torch.Tensor, head_units: int, num_programs: int) -> torch.Tensor:
     """(num_programs, RANGE_FIELDS) int32: each program's place in lean's schedule of 64-key tiles
-    over ``head_units`` 64-row blocks a sequence, read in step (one lane a row block)."""
+    over ``head_units`` 64-row blocks a sequence (all its Tq tokens'), read in step (one lane a row
+    block)."""
     ranges = torch.empty(num_programs, RANGE_FIELDS.value, dtype=torch.int32, device=cache_seqlens.device)
     program_ranges_kernel[(num_programs,)](
         cache_seqlens, ranges, cache_seqlens.shape[0], head_units, num_programs, num_programs, NO_SPAN_LIMIT,
@@ -64,7 +68,8 @@ def combine(
     head_units: int,
 ) -> None:
     """``mla_combine_kernel`` into out (B x head_units x 64, 512) and lse (B x head_units x 64,)
-    from the main kernel's part_out (programs, 2, 64, 512) and part_lse (programs, 2, 64)."""
+    from the main kernel's part_out (programs, 2, 64, 512) and part_lse (programs, 2, 64);
+    head_units counts all of a sequence's Tq tokens."""
     grid = (max(ranges.shape[0], out.shape[0] // ROWS), DV // COMBINE_COLS)
     mla_combine_kernel[grid](
         ranges, cache_seqlens, part_out, part_lse, out, lse, ranges.shape[0], cache_seqlens.shape[0],
@@ -80,11 +85,12 @@ def mla_decode_gluon(
     num_programs: int | None = None,
     softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode on sm_90: out (B, H, 512) bf16 and lse (B, H) fp32 (natural log; 0 and -inf for
-    an empty sequence).
+    """MLA decode on sm_90: out (q's shape, last dim 512) bf16 and lse (q's shape without its last
+    dim) fp32 (natural log; 0 and -inf for a query that sees no key).
 
     Args:
-        q: (B, H, 576) bf16, H a multiple of 64 (Tq 1).
+        q: (B, H, 576) or (B, Tq, H, 576) bf16, H a multiple of 64, Tq <= 16: query token t of
+            sequence b sees keys [0, cache_seqlens[b] - Tq + t].
         pool: (pages, 64, 576) bf16, the latent cache's pages; V is each row's first 512 columns.
         cache_seqlens: (B,) int32, clamped to the block table's capacity as lean's launch clamps it.
         block_table: (B, max pages) int32.
@@ -96,33 +102,33 @@ def mla_decode_gluon(
     from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
 
     check_gluon_inputs(q, pool, cache_seqlens, block_table)
-    batch, heads, _ = q.shape
-    head_units = heads // ROWS
+    batch, heads, tq = q.shape[0], q.shape[-2], (q.shape[1] if q.dim() == 4 else 1)
+    head_units = tq * heads // ROWS
     num_programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
-    num_programs -= num_programs % head_units
+    num_programs = max(num_programs // head_units, 1) * head_units  # a lane a unit, programs as many in each
     check_tile_count(batch, head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
     ranges = program_ranges(seqlens, head_units, num_programs)
-    out = torch.empty(batch * heads, DV, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(batch * heads, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch * tq * heads, DV, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(batch * tq * heads, dtype=torch.float32, device=q.device)
     part_out = torch.empty(num_programs, 2, ROWS, DV, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_programs, 2, ROWS, dtype=torch.float32, device=q.device)
 
     def desc(t: torch.Tensor, shape: list[int]) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t, shape, smem_layout(shape))
 
-    q2, pool2 = q.view(-1, DV + DR), pool.view(-1, DV + DR)
+    q2, pool2 = q.view(-1, DV + DR), pool.view(-1, DV + DR)  # rows (b, token, head)
     scale = softmax_scale if softmax_scale is not None else (DV + DR) ** -0.5
     mla_decode_gluon_kernel[(num_programs,)](
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
         out, lse, part_out, part_lse, ranges, seqlens, block_table, block_table.stride(0), batch,
-        scale * math.log2(math.e), head_units, head_units, BLOCK_N, STAGES, num_warps=8,
+        scale * math.log2(math.e), head_units, head_units, tq, BLOCK_N, STAGES, num_warps=8,
     )  # fmt: skip
     combine(ranges, seqlens, part_out, part_lse, out, lse, head_units)
-    return out.view(batch, heads, DV), lse.view(batch, heads)
+    return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
 
 
-def compile_sm90(head_units: int = 2):
+def compile_sm90(head_units: int = 2, tq: int = 1):
     """The kernel compiled for sm_90 on any machine, its descriptors' types as a launch has them."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -137,9 +143,9 @@ def compile_sm90(head_units: int = 2):
     signature = {
         "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV]),
         "kr_desc": desc([BLOCK_N, DR]), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
-        "HU": "constexpr", "LANES": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+        "HU": "constexpr", "LANES": "constexpr", "TQ": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
     }  # fmt: skip
-    constexprs = {"HU": head_units, "LANES": head_units, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
+    constexprs = {"HU": head_units, "LANES": head_units, "TQ": tq, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 11)}
     source = GluonASTSource(mla_decode_gluon_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
