@@ -84,6 +84,15 @@ def _lean_with(overrides: dict):
     return prepare
 
 
+def _lean_gluon(s: Inputs):
+    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, not yet routed): 16-bit latent
+    pages of 64 rows, heads in blocks of 64 (its checks name what it does not take)."""
+    from lean_tp.ops.mla_gluon import mla_decode_gluon
+
+    pool = s["k_cache"][:, :, 0]  # (pages, 64, 576): the one latent head
+    return lambda: mla_decode_gluon(s["q"], pool, s["cache_seqlens"], s["block_table"])[0]
+
+
 def _flash_decoding(s: Inputs):
     return lambda: flash_decoding(**s)
 
@@ -267,6 +276,7 @@ PEERS: dict[str, Peer] = {
             Peer(name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla")
             for name, overrides in MLA_ABLATIONS.items()
         ),
+        Peer("lean-gluon", _lean_gluon, cuda_only=True, features=frozenset({"paged", "mla"}), only="mla"),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
