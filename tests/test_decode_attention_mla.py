@@ -110,6 +110,44 @@ def test_decode_attention_kernel_mla_column_halves(group, tq):
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
 
 
+def test_one_sequence_of_128_heads_takes_16_row_blocks():
+    """DP attention's 128 heads for one sequence of one token (``Features.one_sequence``): the sm_90
+    entry's 16-row blocks of 64 keys, 8 row blocks read in step, the very kernel the benchmark's
+    ``lean-rows16`` measured at B=1; with a second sequence, a draft token or in the
+    batch-invariant mode, the 128-row column halves, and Kimi-K2's 64 heads keep their 64-row
+    block. The one sequence split over programs is exact against float64."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from lean_tp.ops.decode_attention.plan import KernelVariant
+    from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from peers import MLA_ABLATIONS
+
+    inputs = mla_inputs("paged64", 128, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[10 * TILE + 3])
+    kernel = plan_decode(**inputs, num_programs=12).kernel
+    cx = kernel.constexprs
+    assert kernel.features.one_sequence and (cx["BLOCK_G"], cx["NUM_GC"], cx["LANES"], cx["BLOCK_N"]) == (16, 8, 8, 64)
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    on_sm90 = dataclasses.replace(kernel, arch="sm90", config=None)
+    measured = KernelVariant(  # as the benchmark ran it: the entry with its ablation's overrides
+        "sm90", kernel.dtype, KERNEL_DQK, 128, 64, dataclasses.replace(kernel.features, one_sequence=False),
+        dataclasses.replace(entry, **MLA_ABLATIONS["lean-rows16"]), KERNEL_DV,
+    )  # fmt: skip
+    assert on_sm90.constexprs == measured.constexprs
+    out, lse = run_kernel(inputs, num_programs=12)
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+    two = mla_inputs("paged64", 128, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5, 7])
+    draft = dict(inputs, q=inputs["q"][:, None].expand(1, 2, 128, KERNEL_DQK).contiguous())
+    for call in (two, draft, dict(inputs, batch_invariant=True)):
+        features = plan_decode(**call).kernel.features
+        assert not features.one_sequence, features
+    kimi = mla_inputs("paged64", 64, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5])
+    assert plan_decode(**kimi).kernel.block_g == 64  # no column halves to replace: unmeasured there
+
+
 def test_a_grid_has_a_program_for_each_row_block():
     """MTP at DP attention (Tq 4 x 128 heads: 4 row blocks of 128, each in two column halves: 8
     head units) on a 3-program grid: the launcher grows the grid to 9, a program for each lane of

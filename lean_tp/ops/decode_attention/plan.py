@@ -52,6 +52,9 @@ class Features:
     batch_invariant: bool = False
     # V is K's first columns (``cache.is_prefix_view``): the kernel takes V from K's tile.
     v_in_k: bool = False
+    # The call holds one sequence of one query token, in the default mode: an entry may compute it
+    # in narrower row blocks (``DecodeConfig.one_sequence_max_block_g``).
+    one_sequence: bool = False
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
@@ -117,7 +120,7 @@ class KernelVariant:
         """The kernel's compile-time arguments."""
         config, f = self.config, self.features
         rows = self.unit_tokens * self.group
-        block_g = block_g_for(rows, config, f.batch_invariant)
+        block_g = block_g_for(rows, config, f.batch_invariant, f.one_sequence)
         col_blocks = config.v_col_blocks(block_g, f.batch_invariant)
         units = math.ceil(rows / block_g) * col_blocks
         head_dim_v = self.head_dim_v or self.head_dim

@@ -109,6 +109,11 @@ class DecodeConfig:
     # Pipeline stages fewer than num_stages (paged: paged_stages) in kernels whose row blocks are
     # split by columns: their q block takes most of the shared memory. See _MLA_COLS.
     split_v_fewer_stages: int = 0
+    # max_block_g of a call of one sequence and one query token in the default mode
+    # (``Features.one_sequence``) whose rows the entry computes in column halves (split_v_rows):
+    # more, narrower row blocks give its few tiles more programs and merge narrower partials.
+    # See _MLA_ONE_SEQUENCE.
+    one_sequence_max_block_g: int | None = None
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
         """Triton launch options of a kernel with ``block_g`` query rows per block: warps,
@@ -148,6 +153,7 @@ class DecodeConfig:
             "narrow_block_n",
             "max_block_g",
             "invariant_max_block_g",
+            "one_sequence_max_block_g",
             "scores_t_rows",
             "merge_slice_elems",
             "split_v_rows",
@@ -339,6 +345,15 @@ _MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501
 # (e4m3: 1563 against 1959, 233 against 281); B=1 within 2% either way. 64 heads and fewer keep
 # whole 64-row blocks; the batch-invariant variant keeps whole rows.
 _MLA_COLS = "; 128-row blocks in column halves (split_v_rows): a stage fewer at 16 bits (H200 measured)"
+# One sequence of DP attention's 128 heads has few tiles for the SMs: in two 128-row head units,
+# 2 x 64 tiles at 4k keys, each program's partial 128 x 256 fp32, merged through few SMs. In 16-row
+# blocks of 64 keys (8 row blocks) it has 4x the tiles and partials of 16 x 512. Measured on an
+# H200 (docs/results/2026-11-27-nvidia-h200.json, DeepSeek-V3 paged64, the benchmark's
+# ``lean-rows16`` against the entry): B=1 42 against 97 us at 4k and 104 against 140 at 32k; at
+# B=32 1.6-2.3x slower, so only a call of one sequence (and one query token: Tq 2 is unmeasured)
+# takes them, and only where its rows would take column halves (64 heads are unmeasured). e4m3
+# keeps its blocks: 43 against 103 at 4k but 166 against 151 at 32k.
+_MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1.3x at 32k (H200 measured)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -664,7 +679,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         invariant_max_block_g=16,
         split_v_rows=128,
         split_v_fewer_stages=1,
-        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD + _MLA_COLS,
+        one_sequence_max_block_g=16,
+        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD + _MLA_COLS + _MLA_ONE_SEQUENCE,
     ),
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
@@ -712,6 +728,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
+        one_sequence_max_block_g=16,
         reason="interpreter: mirrors the sm90 MLA entry, untimed",
     ),
     ("interp", 576, 1): DecodeConfig(
@@ -807,14 +824,15 @@ TUNING_TABLE |= {
 }
 
 
-# sm_100 keeps 64-row blocks at 128 heads: the column halves' wgmma schedule and stages are sm_90's
-# and measured there only (see _MLA_COLS).
+# sm_100 keeps 64-row blocks at 128 heads, one sequence's too: the column halves' wgmma schedule
+# and stages are sm_90's and measured there only (see _MLA_COLS, _MLA_ONE_SEQUENCE).
 TUNING_TABLE[("sm100", 576, 2)] = dataclasses.replace(
     TUNING_TABLE[("sm90", 576, 2)],
     max_block_g=64,
     split_v_rows=None,
-    reason=TUNING_TABLE[("sm90", 576, 2)].reason.replace(_MLA_COLS, "")
-    + "; sm_100: 64-row blocks at 128 heads (column halves measured on sm_90 only)",
+    one_sequence_max_block_g=None,
+    reason=TUNING_TABLE[("sm90", 576, 2)].reason.replace(_MLA_COLS, "").replace(_MLA_ONE_SEQUENCE, "")
+    + "; sm_100: 64-row blocks at 128 heads (column halves and one sequence's rows measured on sm_90 only)",
 )
 
 
@@ -945,12 +963,15 @@ def config_for(
     return entry
 
 
-def block_g_for(rows: int, config: DecodeConfig, invariant: bool = False) -> int:
+def block_g_for(rows: int, config: DecodeConfig, invariant: bool = False, one_sequence: bool = False) -> int:
     """Query rows computed together: a KV head's Tq x group rows padded to a power of two >= 16 for
-    ``tl.dot``, at most ``max_block_g`` (``invariant``: the batch-invariant variant's, when the entry
-    sets one; more rows take more row blocks)."""
+    ``tl.dot``, at most ``max_block_g`` (``invariant``: the batch-invariant variant's, and
+    ``one_sequence``: a call of one sequence's (``Features.one_sequence``) whose rows would take
+    column halves, when the entry sets them; more rows take more row blocks)."""
     padded = max(16, 1 << (rows - 1).bit_length())
-    return min(padded, (invariant and config.invariant_max_block_g) or config.max_block_g)
+    halves = config.v_col_blocks(min(padded, config.max_block_g), invariant) > 1
+    cap = (invariant and config.invariant_max_block_g) or (one_sequence and halves and config.one_sequence_max_block_g)
+    return min(padded, cap or config.max_block_g)
 
 
 def _pair_config(

@@ -111,10 +111,17 @@ def flex_splits(problem: Problem, sms: int) -> int:
 
 def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False) -> KernelVariant:
     """The kernel variant ``problem`` launches on ``gpu``: a contiguous cache, ``problem.num_tokens``
-    query tokens."""
+    query tokens, and a one-sequence call's rows (``Features.one_sequence``) where it has one."""
     group = problem.n_heads // problem.n_kv_heads
     dtype, fp8 = problem.dtypes
-    features = Features(num_tokens=problem.num_tokens, fp8=fp8, batch_invariant=batch_invariant, v_in_k=problem.latent)
+    one_sequence = len(problem.lens) == 1 and problem.num_tokens == 1 and not batch_invariant
+    features = Features(
+        num_tokens=problem.num_tokens,
+        fp8=fp8,
+        batch_invariant=batch_invariant,
+        v_in_k=problem.latent,
+        one_sequence=one_sequence,
+    )
     return KernelVariant(
         gpu.arch, dtype, problem.head_dim, group, None, features, head_dim_v=problem.head_dim_v or None
     )
