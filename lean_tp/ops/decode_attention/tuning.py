@@ -352,7 +352,10 @@ _MLA_COLS = "; 128-row blocks in column halves (split_v_rows): a stage fewer at 
 # ``lean-rows16`` against the entry): B=1 42 against 97 us at 4k and 104 against 140 at 32k; at
 # B=32 1.6-2.3x slower, so only a call of one sequence (and one query token: Tq 2 is unmeasured)
 # takes them, and only where its rows would take column halves (64 heads are unmeasured). e4m3
-# keeps its blocks: 43 against 103 at 4k but 166 against 151 at 32k.
+# keeps its blocks: 43 against 103 at 4k but 166 against 151 at 32k. At 128k the loop of 8 row
+# blocks is the time: the model puts one sequence there at 355 us against 214 in column halves
+# (H100, docs/simulator/mla.md; unmeasured), a cost no shape can tell apart from 4k's gain
+# (lengths are values: choosing by them would sync).
 _MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1.3x at 32k (H200 measured)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
