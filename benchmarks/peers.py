@@ -86,11 +86,14 @@ def _lean_with(overrides: dict):
 
 def _lean_gluon(s: Inputs):
     """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, not yet routed): 16-bit latent
-    pages of 64 rows, heads in blocks of 64 (its checks name what it does not take)."""
-    from lean_tp.ops.mla_gluon import mla_decode_gluon
+    pages of 64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule
+    is computed once a step, untimed, as FlashMLA's metadata is."""
+    from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule
 
+    q, lens, table = s["q"], s["cache_seqlens"], s["block_table"]
     pool = s["k_cache"][:, :, 0]  # (pages, 64, 576): the one latent head
-    return lambda: mla_decode_gluon(s["q"], pool, s["cache_seqlens"], s["block_table"])[0]
+    schedule = mla_gluon_schedule(lens, table, q.shape[-2], q.shape[1] if q.dim() == 4 else 1)
+    return lambda: mla_decode_gluon(q, pool, lens, table, schedule=schedule)[0]
 
 
 def _flash_decoding(s: Inputs):

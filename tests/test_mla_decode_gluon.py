@@ -16,7 +16,15 @@ import torch
 
 from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launcher import lean_schedule
-from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, combine, program_ranges
+from lean_tp.ops.mla_gluon.launcher import (
+    BLOCK_N,
+    DV,
+    ROWS,
+    check_schedule,
+    combine,
+    mla_gluon_schedule,
+    program_ranges,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_decode_gluon.py"
 LENS = [0, 1, 63, 64, 65, 130, 0, 700, 64 * 20 + 3]
@@ -73,6 +81,23 @@ def test_program_ranges_are_where_the_schedules_segments_start(head_units, num_p
             assert n_contrib == 0, (p, row, segs)
     split = {s.b * head_units + s.head_unit for segs in programs for s in segs if s.contributors > 1}
     assert merged == split and total == sum(-(-n // BLOCK_N) for n in LENS) * head_units
+
+
+def test_a_steps_schedule_is_the_ranges_of_its_clamped_lengths_on_whole_lanes():
+    """``mla_gluon_schedule`` (computed once a step, taken by every layer's call): the ranges of
+    the lengths clamped to the block table's capacity as the launch clamps them (a negative length
+    is 0, one past the table its capacity), on a grid rounded down to whole lanes (Tq 2 x 128
+    heads: 4 units, 10 programs -> 8); a schedule of another shape, dtype or lane count is refused
+    by name."""
+    table = torch.zeros(4, 3, dtype=torch.int32)  # capacity 192 keys
+    seqlens = torch.tensor([-5, 64, 1000, 130], dtype=torch.int32)
+    schedule = mla_gluon_schedule(seqlens, table, heads=128, tq=2, num_programs=10)
+    clamped = torch.tensor([0, 64, 192, 130], dtype=torch.int32)
+    assert torch.equal(schedule, program_ranges(clamped, 4, 8))
+    check_schedule(schedule, 4, schedule.device)
+    for bad, units in ((schedule, 3), (schedule.long(), 4), (schedule[:, :5], 4)):
+        with pytest.raises(ValueError, match="schedule: expected mla_gluon_schedule's int32"):
+            check_schedule(bad, units, schedule.device)
 
 
 @pytest.mark.parametrize("heads,tq,num_programs", [(64, 1, 3), (128, 1, 8), (128, 1, 24), (64, 3, 8)])

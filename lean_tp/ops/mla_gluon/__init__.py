@@ -1,11 +1,12 @@
 """MLA decode for sm_90 written in Gluon (``kernel``), over lean's stream-K schedule, with its
-split outputs merged by a Triton kernel (``combine``); ``launcher.mla_decode_gluon`` runs it.
+split outputs merged by a Triton kernel (``combine``); ``launcher.mla_decode_gluon`` runs it, on a
+schedule ``mla_gluon_schedule`` computes once a step.
 
 Not yet a backend of ``lean_tp.decode_attention``: it takes 16-bit latent caches in 64-row pages,
 heads in 64-row blocks (DP attention's 128, Kimi-K2's 64) and up to 16 query tokens a sequence,
 and it is routed there once an sm_90 GPU has measured it against the Triton kernel (docs/mla.md).
 """
 
-from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon
+from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule
 
-__all__ = ["mla_decode_gluon"]
+__all__ = ["mla_decode_gluon", "mla_gluon_schedule"]

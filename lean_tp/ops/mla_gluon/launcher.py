@@ -77,6 +77,22 @@ def combine(
     )  # fmt: skip
 
 
+def mla_gluon_schedule(
+    cache_seqlens: torch.Tensor, block_table: torch.Tensor, heads: int, tq: int = 1, num_programs: int | None = None
+) -> torch.Tensor:
+    """(programs, RANGE_FIELDS) int32 on cache_seqlens' device: where each program of
+    ``mla_decode_gluon`` starts in lean's schedule, for one step's lengths and ``heads`` query heads
+    (a multiple of 64) of ``tq`` tokens a sequence. Computed once a step, every layer's call takes
+    it (``schedule=``), as FlashMLA's metadata is; one launch, no sync. ``num_programs``: the grid
+    (default the SM count: one 225 KB program an SM), rounded to whole lanes."""
+    head_units = tq * heads // ROWS
+    sms = torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count if not num_programs else 0
+    num_programs = max((num_programs or sms) // head_units, 1) * head_units  # as many programs in every lane
+    check_tile_count(cache_seqlens.shape[0], head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
+    seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
+    return program_ranges(seqlens, head_units, num_programs)
+
+
 def mla_decode_gluon(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -84,6 +100,7 @@ def mla_decode_gluon(
     block_table: torch.Tensor,
     num_programs: int | None = None,
     softmax_scale: float | None = None,
+    schedule: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode on sm_90: out (q's shape, last dim 512) bf16 and lse (q's shape without its last
     dim) fp32 (natural log; 0 and -inf for a query that sees no key).
@@ -94,8 +111,10 @@ def mla_decode_gluon(
         pool: (pages, 64, 576) bf16, the latent cache's pages; V is each row's first 512 columns.
         cache_seqlens: (B,) int32, clamped to the block table's capacity as lean's launch clamps it.
         block_table: (B, max pages) int32.
-        num_programs: the grid (default the SM count: one 225 KB program an SM).
+        num_programs: the grid when ``schedule`` is None (``mla_gluon_schedule``'s).
         softmax_scale: default 576 ** -0.5.
+        schedule: ``mla_gluon_schedule(cache_seqlens, block_table, H, Tq)``, computed once a step
+            for these lengths; computed here when None.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -104,11 +123,11 @@ def mla_decode_gluon(
     check_gluon_inputs(q, pool, cache_seqlens, block_table)
     batch, heads, tq = q.shape[0], q.shape[-2], (q.shape[1] if q.dim() == 4 else 1)
     head_units = tq * heads // ROWS
-    num_programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
-    num_programs = max(num_programs // head_units, 1) * head_units  # a lane a unit, programs as many in each
-    check_tile_count(batch, head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
+    if schedule is None:
+        schedule = mla_gluon_schedule(cache_seqlens, block_table, heads, tq, num_programs)
+    check_schedule(schedule, head_units, q.device)
+    num_programs = schedule.shape[0]
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
-    ranges = program_ranges(seqlens, head_units, num_programs)
     out = torch.empty(batch * tq * heads, DV, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch * tq * heads, dtype=torch.float32, device=q.device)
     part_out = torch.empty(num_programs, 2, ROWS, DV, dtype=torch.float32, device=q.device)
@@ -121,11 +140,22 @@ def mla_decode_gluon(
     scale = softmax_scale if softmax_scale is not None else (DV + DR) ** -0.5
     mla_decode_gluon_kernel[(num_programs,)](
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
-        out, lse, part_out, part_lse, ranges, seqlens, block_table, block_table.stride(0), batch,
+        out, lse, part_out, part_lse, schedule, seqlens, block_table, block_table.stride(0), batch,
         scale * math.log2(math.e), head_units, head_units, tq, BLOCK_N, STAGES, num_warps=8,
     )  # fmt: skip
-    combine(ranges, seqlens, part_out, part_lse, out, lse, head_units)
+    combine(schedule, seqlens, part_out, part_lse, out, lse, head_units)
     return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
+
+
+def check_schedule(schedule: torch.Tensor, head_units: int, device: torch.device) -> None:
+    """``ValueError`` unless ``schedule`` is a schedule's shape for ``head_units`` 64-row units."""
+    fields = RANGE_FIELDS.value
+    ok = schedule.dtype == torch.int32 and schedule.dim() == 2 and schedule.shape[1] == fields
+    if not ok or schedule.shape[0] % head_units or schedule.device != device:
+        raise ValueError(
+            f"schedule: expected mla_gluon_schedule's int32 (programs, {fields}) on {device} with programs a "
+            f"multiple of {head_units}, got {schedule.dtype} {tuple(schedule.shape)} on {schedule.device}"
+        )
 
 
 def compile_sm90(head_units: int = 2, tq: int = 1):
