@@ -57,6 +57,7 @@ DECODE_TP_VARIANTS = {
 GROUPS = ("tests", "bench", "profile", "sanitizer", "loops")  # in order of value: a short budget runs the first
 TEST_WORKERS = 4  # pytest-xdist workers of the CUDA tests, where it is installed
 TEST_TIMEOUT = 120  # seconds a CUDA test case may take, where pytest-timeout is installed
+GLUON_TEST = "tests/gpu/test_mla_decode_gluon_cuda.py"  # the bench group's step of its own
 MIN_STEP_SECONDS = 30  # a step with less left than this is skipped rather than started and killed
 # module name -> distribution name, for the versions reported in the record
 PACKAGES = {
@@ -109,6 +110,8 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
                     # cores, not by the GPU; a case that hangs is named by its timeout, not by the step's.
                     *(["-n", str(TEST_WORKERS)] if importlib.util.find_spec("xdist") else []),
                     *(["--timeout", str(TEST_TIMEOUT)] if importlib.util.find_spec("pytest_timeout") else []),
+                    # The bench group runs the Gluon kernel's file as a step of its own.
+                    *(["--ignore", GLUON_TEST] if "bench" in groups else []),
                 ],
                 # The whole budget when run alone: the step took over 290 s on 4 and on 8 workers.
                 300 if len(groups) > 1 else 600,
@@ -117,7 +120,7 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
     if "bench" in groups:
         # The Gluon MLA kernel (lean_tp.ops.mla_gluon): its CUDA test (ragged lengths, splits, NaN
         # pages), then exact against float64 and timed beside lean (benchmarks/mla_decode_gluon.py).
-        gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", "tests/gpu/test_mla_decode_gluon_cuda.py"]
+        gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
         steps.append(("mla decode gluon tests", gluon_test, 120))
         steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))

@@ -131,6 +131,11 @@ def test_planned_steps_run_in_order_of_value():
     names = [name for name, _, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")]
     assert names[0] == "pytest tests/gpu"
     assert names[1:4] == ["mla decode gluon tests", "mla decode gluon", "bench_decode --quick"]
+    commands = {name: cmd for name, cmd, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")}
+    assert gpu_check.GLUON_TEST in commands["mla decode gluon tests"]  # once: the tests step leaves it out
+    assert commands["pytest tests/gpu"][-2:] == ["--ignore", gpu_check.GLUON_TEST]
+    alone = gpu_check.planned_steps(["tests"], "python", "out")[0][1]
+    assert "--ignore" not in alone
     assert names[4:6] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
         f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
