@@ -179,7 +179,7 @@ def decode_attention_fwd_kernel(
     # The first segment is placed by one search; each later one is the next head unit, whose
     # place, base and q are requested before the current segment's result is stored or merged.
     # b is a schedule sequence; the call's sequence (cache row, left padding) is b // SEQ_TOKENS.
-    total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
+    total, n_active, t0, t1, b, hu, tile, seq_len, _ = program_range(
         pid, seqlens_ptr, NS, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
     )
     b_q, b_qo, b_qt = load_q(

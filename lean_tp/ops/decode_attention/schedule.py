@@ -132,15 +132,16 @@ def program_range(
     MIN_TILES: tl.constexpr,
     MAX_CONTRIB: tl.constexpr,
 ):
-    """Program pid's place in the schedule: (total tiles, active programs, its tiles [t0, t1), and
-    its first tile's sequence, head unit, tile inside the unit and the sequence's length)."""
+    """Program pid's place in the schedule: (total tiles, active programs, its tiles [t0, t1), its
+    first tile's sequence, head unit, tile inside the unit and the sequence's length, and
+    ``scan_batch``'s first block, for a caller that locates more tiles)."""
     b_cum, total, unit_max = scan_batch(seqlens_ptr, B, HU // LANES, max_span, TILE_N, BLOCK_B)
     total *= LANES
     n_active = lane_programs(total, unit_max, num_programs, num_sms, LANES, MIN_TILES, MAX_CONTRIB)
     t0 = program_start(pid, total, n_active, LANES)
     t1 = tl.where(pid < n_active, program_start(pid + 1, total, n_active, LANES), t0)
     b, hu, tile, seq_len = locate(t0, total, b_cum, seqlens_ptr, B, HU, max_span, LANES, TILE_N, BLOCK_B)
-    return total, n_active, t0, t1, b, hu, tile, seq_len
+    return total, n_active, t0, t1, b, hu, tile, seq_len, b_cum
 
 
 @triton.jit
@@ -254,7 +255,7 @@ def lean_schedule_kernel(
     """Write out every program's segments, and its place in each output's merge tree, exactly as
     the attention kernel walks them."""
     pid = tl.program_id(0)
-    total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
+    total, n_active, t0, t1, b, hu, tile, seq_len, _ = program_range(
         pid, seqlens_ptr, B, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
     )
     t = t0
@@ -311,11 +312,10 @@ def program_ranges_kernel(
     helpers alone (``next_unit``, ``program_of_tile``): the Gluon MLA kernel, whose language has no
     layout-free ``arange`` for the batch scans. Inactive programs get t0 == t1."""
     pid = tl.program_id(0)
-    total, n_active, t0, t1, b, hu, tile, seq_len = program_range(
+    total, n_active, t0, t1, b, hu, tile, seq_len, b_cum = program_range(
         pid, seqlens_ptr, B, HU, max_span, num_programs, num_sms, LANES, TILE_N, BLOCK_B, MIN_TILES, MAX_CONTRIB
     )
     # The last segment: the output of tile t1 - 1, which may start before t0.
-    b_cum, _, _ = scan_batch(seqlens_ptr, B, HU // LANES, max_span, TILE_N, BLOCK_B)
     t_last = tl.maximum(t1 - 1, t0)
     lb, lhu, ltile, llen = locate(t_last, total, b_cum, seqlens_ptr, B, HU, max_span, LANES, TILE_N, BLOCK_B)
     out_start = t_last - ltile

@@ -28,8 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, cdiv, next_unit, program_of_tile
 
-ROWS, DV, DR = 64, 512, 64  # query rows a head unit, latent and rope columns of a cache row
-BLOCK_N, STAGES = 64, 2  # keys a tile (a page), K/V buffers
 # The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7.
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 

@@ -13,7 +13,9 @@ from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, program_ranges_k
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MIN_TILES_PER_PROGRAM, SCHEDULE_BLOCK_B
 from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 
-ROWS, DV, DR = 64, 512, 64  # kernel.ROWS, DV, DR: this module imports no Gluon until a launch
+# The kernel's shape (its bodies restate them as Gluon constexprs): query rows a head unit, latent
+# and rope columns of a cache row; keys a tile (a page), K/V buffers.
+ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
 COMBINE_COLS = 128  # columns a merge program folds: 4 programs an output's 512
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
