@@ -166,6 +166,8 @@ def test_lean_is_timed_on_the_gluon_kernels_problem():
         (dict(pool=torch.zeros(4, 32, 576, dtype=torch.bfloat16)), ValueError, "pool: expected"),
         (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, "cache_seqlens: expected int32"),
         (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table: expected int32"),
+        (dict(cache_seqlens=torch.zeros(2, 2, dtype=torch.int32)[:, 0]), ValueError, "cache_seqlens: expected contig"),
+        (dict(block_table=torch.zeros(4, 2, dtype=torch.int32).t()), ValueError, "block_table: expected rows contig"),
     ],
 )
 def test_bad_input_is_refused_by_name(change, error, name):

@@ -197,7 +197,8 @@ def _segment(
     mbarrier.wait(kn_bars.index(last % STAGES), (last // STAGES) & 1)
     mbarrier.wait(kr_bars.index(last % STAGES), (last // STAGES) & 1)
     kn = kn_smem.index(last % STAGES)
-    _zero_rows_from(kn, last_valid, BLOCK_N, DV)
+    if last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
+        _zero_rows_from(kn, last_valid, BLOCK_N, DV)
     kr = kr_smem.index(last % STAGES)
     return _attend_block(qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, last_valid, scale_log2, BLOCK_N, True)
 

@@ -38,9 +38,15 @@ def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch
         raise ValueError(
             f"cache_seqlens: expected int32 ({q.shape[0]},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
         )
+    if cache_seqlens.stride(0) != 1:
+        raise ValueError(f"cache_seqlens: expected contiguous, got stride {cache_seqlens.stride()}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
         raise ValueError(
             f"block_table: expected int32 ({q.shape[0]}, pages), got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if block_table.stride(1) != 1:  # the kernel reads a sequence's page ids as one run
+        raise ValueError(
+            f"block_table: expected rows contiguous (stride 1 in dim 1), got strides {block_table.stride()}"
         )
     on_sm90 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
     if not on_sm90:
