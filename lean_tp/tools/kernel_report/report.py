@@ -281,11 +281,19 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
 ARCH_FEATURES = ("invariant", "all")
 
 
+# The head dim whose batch-invariant variant ``arch_jobs(sample=True)`` compiles for each
+# architecture: its compile is 3-15x a decode kernel's (about 70 s at D=64, Triton's coalescing
+# pass over the folds' unrolled waves), so CI's check takes one a part, a different one on each,
+# and sm_100's D=64, the entry that differs from the one it takes (tuning: its uncapped registers).
+ARCH_SAMPLE_INVARIANT = {"sm86": 128, "sm89": 256, "sm100": 64, "sm120": 576}
+
+
 def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> list[tuple]:
     """Every architecture beyond the report's two, against its own limits: each head dim's entry
     (the architecture's own or the one it takes, ``Arch.tuning``) on the contiguous and paged16
     layouts, 16-bit and e4m3, fp32 on one layout, and ``ARCH_FEATURES`` on paged16. ``sample``
-    (CI's check): paged16 alone, the layout that stages the most, beside fp32's one layout."""
+    (CI's check): paged16 alone, the layout that stages the most, beside fp32's one layout, and
+    the batch-invariant variant on ``ARCH_SAMPLE_INVARIANT``'s head dim alone."""
     jobs = []
     for arch in archs:
         for head_dim in (*TABLE_HEAD_DIMS, *(k for k, _ in head_dim_pairs())):
@@ -294,7 +302,10 @@ def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> lis
                 jobs += [(arch, head_dim, "fp16", layout, group, False, (), f) for f in ("", "fp8_e4m3")]
             if not paired_head_dim_v(head_dim):
                 jobs.append((arch, head_dim, "fp32", "contiguous", group, False, (), ""))
-            jobs += [(arch, head_dim, "fp16", "paged16", group, False, (), f) for f in ARCH_FEATURES]
+            features = [f for f in ARCH_FEATURES if not (sample and f == "invariant")]
+            if sample and ARCH_SAMPLE_INVARIANT.get(arch) == head_dim:
+                features.append("invariant")
+            jobs += [(arch, head_dim, "fp16", "paged16", group, False, (), f) for f in features]
     return jobs
 
 
@@ -354,8 +365,22 @@ def arch_markdown(rows: list[KernelStats]) -> str:
     header = _COLUMNS.replace("| smem KB |", "| smem KB | smem limit KB |").replace("| dtype |", "| dtype / feature |")
     lines = [header, "|---" * header.count(" | ") + "|---|"]
     for r in rows:
-        lines.append(_row(r, r.features.removeprefix("fp8_") if r.features else r.dtype, limit=True))
+        lines.append(_row(r, _arch_label(r.dtype, r.features), limit=True))
     return "\n".join(lines) + "\n"
+
+
+def _arch_label(dtype: str, features: str) -> str:
+    """``arch_markdown``'s dtype / feature cell: the feature (fp8's without its prefix), else the dtype."""
+    return features.removeprefix("fp8_") or dtype
+
+
+def arch_row_start(job: tuple) -> str:
+    """The first four cells (arch, D, dtype / feature, layout) of ``arch_markdown``'s row of an
+    ``arch_jobs`` job, known without compiling it."""
+    arch, head_dim, dtype, layout, *_, features = job
+    head_dim_v = paired_head_dim_v(head_dim)
+    dims = f"{head_dim}/{head_dim_v}" if head_dim_v else str(head_dim)
+    return f"| {arch} | {dims} | {_arch_label(dtype, features)} | {layout} |"
 
 
 _COLUMNS = (
