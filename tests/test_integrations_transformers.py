@@ -150,15 +150,17 @@ def test_compile_hf_example_compiles_the_op_without_graph_breaks(capsys, monkeyp
     """examples/compile_hf.py, in this process: torch.compile(fullgraph=True) of a tiny Llama with a
     static cache and a left-padded ragged batch (a graph break would be an error), the lean op in
     the compiled decode graph, and every token equal to an eager SDPA copy's. The example's
-    torch.compile is given a backend that records each graph's ops before Inductor compiles it."""
+    torch.compile is given a backend that records each graph's ops, then runs it through AOTAutograd
+    (functionalization, the op's fake implementation) without Inductor's CPU code generation (about 50 of the test's 70 s on 2 cores), which
+    tests/test_model.py's compiled decode loop runs."""
     import compile_hf  # examples/ is on sys.path (conftest)
-    from torch._inductor.compile_fx import compile_fx
+    from torch._dynamo.backends.debugging import aot_eager
 
     graphs, real_compile = [], torch.compile
 
     def recording(gm, example_inputs):
         graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
-        return compile_fx(gm, example_inputs)
+        return aot_eager(gm, example_inputs)
 
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend=recording, **kw))
     torch._dynamo.reset()
