@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sample",
         action="store_true",
         help="each feature and variant on one head dim per arch, not on every entry (the CPU tests); with --archs: "
-        "paged16 and fp32 rows alone (CI's check)",
+        "paged16 and fp32 rows alone, the batch-invariant variant on one head dim a part (CI's check)",
     )
     p.add_argument(
         "--archs",
