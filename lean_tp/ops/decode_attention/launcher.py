@@ -30,6 +30,7 @@ from lean_tp.ops.decode_attention.plan import (
     Features,
     KernelVariant,
     check_tile_count,
+    is_one_sequence,
 )
 from lean_tp.ops.decode_attention.schedule import SEGMENT_FIELDS, lean_schedule_kernel
 from lean_tp.ops.decode_attention.tuning import (
@@ -95,7 +96,7 @@ def plan_decode(
         kv_strides_differ=layout.k_strides != layout.v_strides,
         batch_invariant=batch_invariant,
         v_in_k=is_prefix_view(v_cache, k_cache),
-        one_sequence=q.shape[0] == 1 and num_tokens == 1 and not batch_invariant,
+        one_sequence=is_one_sequence(q.shape[0], num_tokens, batch_invariant),
     )
     plan = DecodePlan(q.shape[0], q.shape[-2], q.shape[-1], q.dtype, q.device, layout, features, window)
     if not uses_triton(q.device, q.shape[-1], q.dtype, backend, features.fp8, layout.head_dim_v):

@@ -57,6 +57,11 @@ class Features:
     one_sequence: bool = False
 
 
+def is_one_sequence(batch: int, num_tokens: int, batch_invariant: bool) -> bool:
+    """``Features.one_sequence`` of a call of ``batch`` sequences of ``num_tokens`` query tokens."""
+    return batch == 1 and num_tokens == 1 and not batch_invariant
+
+
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:
     """Whether an fp8 cache is read as bytes and converted by hand: float8_e4m3fn before sm_89,
     where Triton has no e4m3 type (sm_80 and sm_86 compile e5m2; sm_89 on and the interpreter both)."""

@@ -94,8 +94,8 @@ def mla_gluon_schedule(
     it (``schedule=``), as FlashMLA's metadata is; one launch, no sync. ``num_programs``: the grid
     (default the SM count: one 225 KB program an SM), rounded to whole lanes."""
     head_units = tq * heads // ROWS
-    sms = torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count if not num_programs else 0
-    num_programs = max((num_programs or sms) // head_units, 1) * head_units  # as many programs in every lane
+    num_programs = num_programs or torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count
+    num_programs = max(num_programs // head_units, 1) * head_units  # as many programs in every lane
     check_tile_count(cache_seqlens.shape[0], head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
     return program_ranges(seqlens, head_units, num_programs)

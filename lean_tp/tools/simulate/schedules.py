@@ -33,6 +33,7 @@ import torch
 from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
+from lean_tp.ops.decode_attention.plan import is_one_sequence
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
 from lean_tp.tools.gpus import GPUModel, loop_us
 from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share
@@ -114,13 +115,12 @@ def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False)
     query tokens, and a one-sequence call's rows (``Features.one_sequence``) where it has one."""
     group = problem.n_heads // problem.n_kv_heads
     dtype, fp8 = problem.dtypes
-    one_sequence = len(problem.lens) == 1 and problem.num_tokens == 1 and not batch_invariant
     features = Features(
         num_tokens=problem.num_tokens,
         fp8=fp8,
         batch_invariant=batch_invariant,
         v_in_k=problem.latent,
-        one_sequence=one_sequence,
+        one_sequence=is_one_sequence(len(problem.lens), problem.num_tokens, batch_invariant),
     )
     return KernelVariant(
         gpu.arch, dtype, problem.head_dim, group, None, features, head_dim_v=problem.head_dim_v or None
