@@ -18,15 +18,26 @@ def out_slots(max_groups, ISUPER: tl.constexpr):
 
 @triton.jit
 def fold_slots(
-    ws_acc_ptr, ws_ml_ptr, slot0, n, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, WAVE: tl.constexpr
+    ws_acc_ptr,
+    ws_ml_ptr,
+    slot0,
+    n,
+    n_rows,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WAVE: tl.constexpr,
+    MOST: tl.constexpr,
 ):
     """Fold the values in slots [slot0, slot0 + n), left to right, WAVE at a time: a wave's loads
     do not wait on its folds, so it waits for L2 about once. Past n a load reads nothing and gives
     the empty state, whose fold leaves every bit as it was (``chunks.fold_pair``: its weight is
-    exp2(-inf) = 0, the state's exp2(0) = 1)."""
+    exp2(-inf) = 0, the state's exp2(0) = 1). MOST: the most values the call can have (WAVE where
+    there is no bound); a wave is no wider, the same single wait with fewer loads for the kernel
+    to hold (each inlined fold's loads add to its compile time, which grows faster than they do)."""
+    W: tl.constexpr = WAVE if WAVE < MOST else MOST
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
-    for k0 in range(0, n, WAVE):
-        for w in tl.static_range(WAVE):
+    for k0 in range(0, n, W):
+        for w in tl.static_range(W):
             rows = tl.where(k0 + w < n, n_rows, 0)
             g_acc, g_m, g_l = load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k0 + w, rows, BLOCK_D, BLOCK_G)
             acc, m, l = fold_pair(acc, m, l, g_acc, g_m, g_l)
@@ -90,7 +101,7 @@ def group_known(
         if single & held:
             acc, m, l = g_acc, g_m, g_l
         else:
-            acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, BLOCK_D, BLOCK_G, WAVE)
+            acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, BLOCK_D, BLOCK_G, WAVE, ISUPER)
         n_supers = cdiv(n_groups, ISUPER)
         done = n_supers == 1
         if n_supers > 1:
@@ -107,7 +118,7 @@ def group_known(
             )
             if done:
                 acc, m, l = fold_slots(
-                    ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, BLOCK_D, BLOCK_G, WAVE
+                    ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, BLOCK_D, BLOCK_G, WAVE, WAVE
                 )
     return done, acc, m, l
 

@@ -172,7 +172,8 @@ def attend_invariant(
     done = whole
     if whole:
         tl.debug_barrier()  # the group values this program's threads stored, before its loads of them
-        o_acc, o_m, o_l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0, k_hi - 1, n_rows, BLOCK_D, BLOCK_G, WAVE)
+        # The output is one supergroup: fewer than ISUPER groups' values in slots.
+        o_acc, o_m, o_l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0, k_hi - 1, n_rows, BLOCK_D, BLOCK_G, WAVE, ISUPER)
         o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
     else:
         for k in range(k_lo, k_hi):
