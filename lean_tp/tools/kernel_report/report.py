@@ -282,7 +282,7 @@ ARCH_FEATURES = ("invariant", "all")
 
 
 # The head dim whose batch-invariant variant ``arch_jobs(sample=True)`` compiles for each
-# architecture: its compile takes 15-48 s on 2 cores against a decode kernel's 3-5 s (D=64 the
+# architecture: its compile takes 15-48 s on 2 cores against a decode kernel's 2-5 s (D=64 the
 # longest, its waves of 8 partials: 37 s at sm_80, 29 of them in Triton's coalescing pass over the
 # folds' unrolled waves), so CI's check takes one a part, a different one on each, and sm_100's
 # D=64, the entry that differs from the one it takes (tuning: its uncapped registers).
