@@ -151,8 +151,8 @@ def test_compile_hf_example_compiles_the_op_without_graph_breaks(capsys, monkeyp
     static cache and a left-padded ragged batch (a graph break would be an error), the lean op in
     the compiled decode graph, and every token equal to an eager SDPA copy's. The example's
     torch.compile is given a backend that records each graph's ops, then runs it through AOTAutograd
-    (functionalization, the op's fake implementation) without Inductor's CPU code generation (about 50 of the test's 70 s on 2 cores), which
-    tests/test_model.py's compiled decode loop runs."""
+    (functionalization, the op's fake implementation) without Inductor's CPU code generation, which
+    tests/test_model.py's compiled decode loop runs (here it would be about 50 s of 70 on 2 cores)."""
     import compile_hf  # examples/ is on sys.path (conftest)
     from torch._dynamo.backends.debugging import aot_eager
 

@@ -381,8 +381,7 @@ def arch_row_start(job: tuple) -> str:
     """The first four cells (arch, D, dtype / feature, layout) of ``arch_markdown``'s row of an
     ``arch_jobs`` job, known without compiling it."""
     arch, head_dim, dtype, layout, *_, features = job
-    head_dim_v = paired_head_dim_v(head_dim)
-    dims = f"{head_dim}/{head_dim_v}" if head_dim_v else str(head_dim)
+    dims = _dims(head_dim, paired_head_dim_v(head_dim) or head_dim)
     return f"| {arch} | {dims} | {_arch_label(dtype, features)} | {layout} |"
 
 
@@ -404,7 +403,7 @@ def _row(r: KernelStats, dtype: str, limit: bool = False) -> str:
     )
     smem = f"{r.shared_bytes / 1024:.1f}" + (f" | {ARCHS[r.arch].smem_per_block // 1024}" if limit else "")
     return (
-        f"| {r.arch} | {_dims(r)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} | {smem} "
+        f"| {r.arch} | {_dims(r.head_dim, r.head_dim_v)} | {dtype} | {r.layout} | {r.regs} | {r.spill_bytes} | {r.loop_spills} | {smem} "
         f"| {r.programs_per_sm} ({REPORT_PART[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} | {r.bytes_per_key:.0f} "
         f"| {r.kv_buffers} | {r.wait_group} | {r.block_n} | {r.sass_per_iter} | {budget} "
         f"| {f'{r.page_ids_read_same_iter} / {r.page_id_loads}' if r.page_id_loads else '-'} "
@@ -412,9 +411,9 @@ def _row(r: KernelStats, dtype: str, limit: bool = False) -> str:
     )
 
 
-def _dims(r: KernelStats) -> str:
+def _dims(head_dim: int, head_dim_v: int) -> str:
     """A row's head dims: D, or Dqk/Dv (MLA)."""
-    return f"{r.head_dim}/{r.head_dim_v}" if r.head_dim_v != r.head_dim else str(r.head_dim)
+    return f"{head_dim}/{head_dim_v}" if head_dim_v != head_dim else str(head_dim)
 
 
 def to_markdown(rows: list[KernelStats]) -> str:
@@ -441,7 +440,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
     ]
     for r in (r for r in rows if r.features and r.group == report_group(r.head_dim)):
         lines.append(
-            f"| {r.arch} | {_dims(r)} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
+            f"| {r.arch} | {_dims(r.head_dim, r.head_dim_v)} | {r.features} | {r.regs} | {r.spill_bytes} | {r.loop_spills} "
             f"| {r.shared_bytes / 1024:.1f} | {r.programs_per_sm} ({gpu[r.arch]}) | {r.k_load_bytes} / {r.v_load_bytes} "
             f"| {r.bytes_per_key:.0f} | {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
         )
