@@ -7,7 +7,14 @@ imported, which is why it happens here at collection time.
 import os
 import sys
 
-import torch
+# One thread a process: xdist already runs one worker a core, and torch's OpenMP threads and
+# numpy's OpenBLAS threads, two a worker on top, spin while they wait for a core (about a third
+# of the CPU of the torch-backend tests on 2 cores). Set before torch and numpy load, and inherited
+# by the xdist workers and the processes the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
