@@ -185,20 +185,20 @@ def mla_decodes(monkeypatch):
 def test_lean_mla_generates_cpu_mlas_tokens(models, in_process, mla_decodes, monkeypatch, dtype, op_backend):
     """A random DeepSeek-V2 (MLA) model: LEAN_MLA in place of vLLM's CPU MLA gives its tokens, on
     the torch backend (float32) and on the kernel in the interpreter (bf16, fewer tokens, up to a
-    near-tie: ``_assert_greedy_close``). vLLM's
-    CPU platform turns chunked prefill and prefix caching off for MLA models, so on CPU every
-    prompt is prefilled whole."""
+    near-tie: ``_assert_greedy_close``). vLLM's CPU platform turns chunked prefill and prefix
+    caching off for MLA models, so on CPU every prompt is prefilled whole."""
     if op_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CPU only through the interpreter (tests/conftest.py sets it)")
     monkeypatch.setenv("LEAN_TP_VLLM_BACKEND", op_backend)
     tokens = MAX_TOKENS if op_backend == "auto" else 6
     kwargs = dict(dtype=dtype, max_tokens=tokens, replaced="CPU_MLA")
-    expected_top, got_top = ([], []) if dtype == "bfloat16" else (None, None)
+    close = dtype == "bfloat16"  # 16 bits: equal up to a near-tie
+    expected_top, got_top = ([], []) if close else (None, None)
     expected = _generate(models["deepseek_v2"], lean=False, top=expected_top, **kwargs)
     assert mla_decodes == []
     impls = []
     got = _generate(models["deepseek_v2"], lean=True, impls=impls, top=got_top, **kwargs)
-    if dtype == "bfloat16":
+    if close:
         _assert_greedy_close(got, expected, got_top, expected_top)
     else:
         assert got == expected
