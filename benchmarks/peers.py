@@ -230,7 +230,8 @@ def _flashmla(s: Inputs):
 
 def _flashinfer_mla(s: Inputs):
     """FlashInfer's MLA (``BatchMLAPagedAttentionWrapper``; its Hopper kernel on sm_90) over copies of
-    the latent pages as its two tensors, the 512 compressed and the 64 rope dims; ``plan`` untimed."""
+    the latent pages as its two tensors, the 512 compressed and the 64 rope dims; ``plan`` untimed.
+    An e4m3 cache takes the shape's per-tensor scale for both (FlashInfer takes e4m3 on sm_90 only)."""
     import flashinfer
 
     q, lens, table, cache = s["q"], s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
@@ -246,7 +247,10 @@ def _flashinfer_mla(s: Inputs):
                  q.dtype, cache.dtype)  # fmt: skip
     q_nope, q_pe = q[..., :MLA_RANK].contiguous(), q[..., MLA_RANK:].contiguous()
     ckv, kpe = cache[..., :MLA_RANK].contiguous(), cache[..., MLA_RANK:].contiguous()
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+    scales = {}
+    if cache.dtype == torch.float8_e4m3fn:
+        scales = dict(ckv_scale=float(s["k_scale"]), kpe_scale=float(s["k_scale"]))
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, **scales)
 
 
 def _vllm_triton_mla(s: Inputs):
@@ -288,7 +292,11 @@ PEERS: dict[str, Peer] = {
         Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True, features=frozenset({"paged"})),
         Peer("flashmla", _flashmla, needs="flash_mla", cuda_only=True, features=frozenset({"paged", "mla"})),
         Peer(
-            "flashinfer-mla", _flashinfer_mla, needs="flashinfer", cuda_only=True, features=frozenset({"paged", "mla"})
+            "flashinfer-mla",
+            _flashinfer_mla,
+            needs="flashinfer",
+            cuda_only=True,
+            features=frozenset({"paged", "mla", "fp8"}),
         ),
         Peer(
             "vllm-triton-mla",

@@ -29,6 +29,7 @@ from lean_tp.tools.simulate import (
     flex_splits,
     link_of,
     main,
+    mla_peer_takes,
     mla_sweep_problems,
     rank_heads,
     sglang_flashinfer_schedule,
@@ -358,6 +359,37 @@ def test_mla_simulation_rows_and_sweep_wiring(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert json.loads(out_json.read_text())["mla_peer_constants"] == [list(c) for c in MLA_PEER_CONSTANTS]
     assert "| H100 | deepseek-v3 | DP (128) | fp8 | 2 | 128 | 131072 |" in out and png.stat().st_size > 10_000
+
+
+def test_an_mla_peer_is_modelled_only_on_the_caches_its_code_takes():
+    """An e4m3 latent cache: FlashMLA's dense decode never, FlashInfer's MLA on sm_90 only, the
+    Triton peers from sm_89 (Triton's fp8e4nv); a 16-bit cache every peer. A peer that does not
+    take the cache has no time and no ratio, "-" and "n/a" in the table, and is left out of the
+    summary, which counts lean ahead of every peer only where some peer runs."""
+    import lean_tp.tools.simulate.cli as sim_cli
+
+    fp8, bf16 = _mla([3000, 70], elem_size=1), _mla([3000, 70])
+    assert {p for p in MLA_PEERS if mla_peer_takes(p, fp8, H100)} == {"flashinfer_mla", "triton_mla", "sglang_mla"}
+    assert {p for p in MLA_PEERS if mla_peer_takes(p, fp8, GPUS["B200"])} == {"triton_mla", "sglang_mla"}
+    assert not any(mla_peer_takes(p, fp8, GPUS["A100"]) for p in MLA_PEERS)
+    assert all(mla_peer_takes(p, bf16, GPUS[g]) for p in MLA_PEERS for g in ("A100", "H100", "B200"))
+    rank = dict(model="deepseek-v3", parallel="TP 8", heads=16, tq=1, batch=2, context=3000)
+    rows = []
+    for problem, gpu, cache in ((fp8, "H100", "fp8"), (fp8, "A100", "fp8"), (bf16, "A100", "bf16")):
+        result = simulate(problem, gpu)
+        assert (result["flashmla"] is None) == (cache == "fp8")
+        rows.append(sim_cli.row_of(problem, GPUS[gpu], result) | rank | dict(cache=cache))
+    assert rows[0]["flashmla_us"] is None and rows[0]["speedup_vs_flashmla"] is None
+    assert rows[0]["speedup_vs_triton_mla"] == pytest.approx(rows[0]["triton_mla_us"] / rows[0]["lean_us"])
+    table = sim_cli.format_mla_table(rows).splitlines()
+    assert table[2].count("| - |") == 1 and table[2].count("n/a") == 1
+    assert table[3].count("n/a") == len(MLA_PEERS) and "n/a" not in table[4]
+    summary = sim_cli.format_mla_summary(rows)
+    a100 = next(line for line in summary.splitlines() if line.startswith("| A100"))
+    assert a100.count("/1)") == len(MLA_PEERS) and a100.endswith(
+        f" | {int(min(rows[2][f'speedup_vs_{p}'] for p in MLA_PEERS) >= 1)}/1 |"
+    )
+    assert "| H100 | deepseek-v3 TP 8 (16) | - |" in summary
 
 
 def test_l2_serves_a_chunk_read_again_while_it_is_resident():

@@ -40,6 +40,7 @@ from lean_tp.tools.simulate.tables import (
     deterministic_table_rows,
     format_cp_table,
     format_deterministic_report,
+    format_mla_summary,
     format_mla_table,
     format_table,
     format_tp_table,
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         tables = {
             "cp_sweep": format_cp_table,
             "tp_sweep": format_tp_table,
-            "mla_sweep": format_mla_table,
+            "mla_sweep": lambda rows: format_mla_table(rows) + "\n\n" + format_mla_summary(rows),
             "deterministic_sweep": format_deterministic_report,
         }
         table = next((t for mode, t in tables.items() if getattr(args, mode)), format_table)

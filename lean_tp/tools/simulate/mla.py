@@ -16,6 +16,7 @@ import math
 import torch
 import triton
 
+from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
@@ -58,6 +59,23 @@ SGLANG_MLA_CONTEXT_LEN = 131072
 
 MLA_PEERS = ("flashmla", "flashinfer_mla", "triton_mla", "sglang_mla")
 
+
+def mla_peer_takes(peer: str, problem: Problem, gpu: GPUModel) -> bool:
+    """Whether ``peer``'s code takes ``problem``'s latent cache on ``gpu`` (its rows of
+    ``MLA_PEER_CONSTANTS`` give the sources). A 16-bit cache: every peer. An e4m3 cache: never
+    FlashMLA's dense decode (the cache must be q's dtype; its fp8 layout is sparse decode's);
+    FlashInfer's MLA on sm_90 only; vLLM's and SGLang's Triton MLA where Triton compiles its
+    fp8e4nv type, sm_89 and later (``Arch.native_e4m3``; vLLM refuses the cache before that)."""
+    if problem.elem_size != 1:
+        return True
+    return {
+        "flashmla": False,
+        "flashinfer_mla": gpu.arch == "sm90",
+        "triton_mla": ARCHS[gpu.arch].native_e4m3,
+        "sglang_mla": ARCHS[gpu.arch].native_e4m3,
+    }[peer]
+
+
 # (peer, constant, value, source) for the docs and the JSON.
 MLA_PEER_CONSTANTS = [
     ("FlashMLA", "rows, keys a block; overhead blocks a piece", "64, 64; 5",
@@ -67,20 +85,28 @@ MLA_PEER_CONSTANTS = [
      "csrc/smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu, csrc/api/dense_decode.h"),
     ("FlashMLA", "combine: heads a CTA; splits in flight a head", "8; 1 (1 + splits dependent L2 loads)",
      "csrc/smxx/decode/combine/combine.cu (a warp a head, #pragma unroll 1 over splits, PDL)"),
+    ("FlashMLA", "latent caches (dense decode)", "q's dtype, bf16 or fp16; no e4m3 (its fp8 cache is sparse decode's)",
+     "csrc/api/dense_decode.h (kcache.dtype() == q_dtype), flash_mla/flash_mla_interface.py (is_fp8_kvcache)"),
     ("FlashInfer MLA", "CTA tile; cluster", "64 rows x 64 keys; 2 CTAs when a request packs > 64 rows",
      "flashinfer 0.6.18 include/flashinfer/attention/mla_hopper.cuh, scheduler.cuh (MLAPlan)"),
     ("FlashInfer MLA", "kv_len_limit", "f(ceil(sum of keys x q tiles / clusters)): 32, 64, 128, 192, else 256s",
      "scheduler.cuh (MLAPlan), cost 2 x rows + keys (cost_function)"),
     ("FlashInfer MLA", "merge", "in-kernel after a grid barrier; 4 rows a CTA, 8 partials in flight, bf16",
      "mla.cuh (DevicePersistentMergeStates), mla_hopper.cuh (grid.sync)"),
+    ("FlashInfer MLA", "e4m3 latent cache", "sm_90 only (fa2 and fa3 backends), repacked to bf16 in shared memory",
+     "flashinfer/mla/_core.py (_SUPPORTED_MLA_KV_DTYPES and its SM90 check), mla_hopper.cuh (repack_fp8_kv_to_bf16)"),
     ("vLLM Triton MLA", "heads a CTA; splits", "16; min(next_pow2(max(1, longest // 512)), 2 x SMs)",
      "vllm 0.33.0 vllm/v1/attention/backends/mla/triton_mla.py, vllm/v1/attention/ops/triton_decode_attention.py"),
     ("vLLM Triton MLA", "stage 2: splits in flight", "2 (always launched)", "triton_decode_attention.py (_fwd_kernel_stage2)"),
+    ("vLLM Triton MLA", "e4m3 latent cache", "sm_89 and later (ValueError before); dequantized to q's dtype on load",
+     "triton_mla.py (supported_kv_cache_dtypes, its SM89 check), triton_decode_attention.py (k.dtype.is_fp8())"),
     ("SGLang Triton MLA", "split cap", "max(8, min(next_pow2(SMs), next_pow2(context_len / 32)))",
      "sglang 0.5.23 srt/layers/attention/triton_backend.py (_mla_decode_kv_splits_cap)"),
     ("SGLang Triton MLA", "splits a request", "get_num_kv_splits_triton; splits of ceil(len / n) rounded to 32",
      "kernels/ops/attention/metadata.py, decode_attention.py"),
     ("SGLang Triton MLA", "stage 2: splits in flight", "2 (always launched)", "decode_attention.py (_fwd_kernel_stage2)"),
+    ("SGLang Triton MLA", "e4m3 latent cache", "Triton's fp8e4nv, compiled from sm_89; q and P cast to e4m3 for the dots",
+     "decode_attention.py (q.to(K_Buffer.dtype.element_ty)); triton backends/nvidia/compiler.py (supported_fp8_dtypes)"),
 ]  # fmt: skip
 
 

@@ -3,6 +3,8 @@ context-parallel sweep's per-rank memory and time."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lean_tp import cli
@@ -15,8 +17,9 @@ from lean_tp.tools.simulate.problems import PRESET_LAYERS, Problem
 from lean_tp.tools.simulate.schedules import Schedule, lean_sim_schedule
 
 
-def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict:
-    """One table row: every method's modelled time and merge, lean's chain and bandwidth share."""
+def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule | None]) -> dict:
+    """One table row: every method's modelled time and merge, lean's chain and bandwidth share; a
+    method that does not run the problem (None) has None for each."""
     lean = result["lean"]
     row = {
         "gpu": gpu.name,
@@ -28,6 +31,10 @@ def row_of(problem: Problem, gpu: GPUModel, result: dict[str, Schedule]) -> dict
         "lean_bw": problem.kv_bytes / (lean.time_us * 1e6 * gpu.hbm_tbps) if lean.time_us else 0.0,
     }
     for method, sched in result.items():
+        if sched is None:
+            row |= dict.fromkeys(f"{method}_{k}" for k in ("us", "merge_us", "eff", "splits"))
+            row[f"speedup_vs_{method}"] = None
+            continue
         row |= {
             f"{method}_us": sched.time_us,
             f"{method}_merge_us": sched.merge_us,
@@ -198,10 +205,14 @@ def format_tp_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MLA_PEER_NAMES = ("FlashMLA", "FlashInfer", "vLLM Triton", "SGLang Triton")  # mla.MLA_PEERS' order
+
+
 def format_mla_table(rows: list[dict]) -> str:
     """The MLA sweep's rows (``--mla-sweep``): lean against each MLA peer (``mla.MLA_PEERS``), the
-    peer's time over lean's (above 1: lean is faster)."""
-    names = ("FlashMLA", "FlashInfer", "vLLM Triton", "SGLang Triton")
+    peer's time over lean's (above 1: lean is faster); "-" and "n/a" where the peer's code does not
+    take the cache (``mla.mla_peer_takes``)."""
+    names = MLA_PEER_NAMES
     head = (
         "| GPU | model | rank (heads) | cache | Tq | B | context | lean us | merge us | programs | "
         + " | ".join(f"{n} us" for n in names)
@@ -211,11 +222,35 @@ def format_mla_table(rows: list[dict]) -> str:
     )
     lines = [head, "|" + "---|" * (10 + 2 * len(names))]
     for r in rows:
-        times = " | ".join(f"{r[f'{peer}_us']:.1f}" for peer in MLA_PEERS)
+        times = " | ".join("-" if r[f"{peer}_us"] is None else f"{r[f'{peer}_us']:.1f}" for peer in MLA_PEERS)
         ratios = " | ".join(_ratio(r[f"speedup_vs_{peer}"]) for peer in MLA_PEERS)
         lines.append(
             f"| {r['gpu']} | {r['model']} | {r['parallel']} ({r['heads']}) | {r['cache']} | {r['tq']} | {r['batch']} "
             f"| {r['context']} | {r['lean_us']:.1f} | {r['lean_merge_us']:.2f} | {r['lean_programs']} | {times} | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
+def format_mla_summary(rows: list[dict]) -> str:
+    """The MLA sweep by GPU and rank: each peer's time over lean's over the shapes its code takes
+    (range, geometric mean, and at how many lean is at least as fast), then the shapes where lean is
+    at least as fast as every peer that takes them, of those some peer takes."""
+    lines = ["| GPU | rank | " + " | ".join(MLA_PEER_NAMES) + " | every peer |", "|" + "---|" * (3 + len(MLA_PEERS))]
+    gpus = list(dict.fromkeys(r["gpu"] for r in rows))
+    ranks = dict.fromkeys((r["gpu"], r["model"], r["parallel"], r["heads"]) for r in rows)
+    for gpu, model, parallel, heads in sorted(ranks, key=lambda rank: gpus.index(rank[0])):
+        mine = [r for r in rows if (r["gpu"], r["model"], r["parallel"], r["heads"]) == (gpu, model, parallel, heads)]
+        cells = []
+        for peer in MLA_PEERS:
+            xs = [r[f"speedup_vs_{peer}"] for r in mine if r[f"speedup_vs_{peer}"] is not None]
+            geomean = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
+            cells.append(
+                f"{min(xs):.2f}-{max(xs):.2f}, {geomean:.2f} ({sum(x >= 1 for x in xs)}/{len(xs)})" if xs else "-"
+            )
+        taken = [[r[f"speedup_vs_{p}"] for p in MLA_PEERS if r[f"speedup_vs_{p}"] is not None] for r in mine]
+        every = sum(min(xs) >= 1 for xs in taken if xs)
+        lines.append(
+            f"| {gpu} | {model} {parallel} ({heads}) | {' | '.join(cells)} | {every}/{sum(map(bool, taken))} |"
         )
     return "\n".join(lines)
 
