@@ -85,7 +85,7 @@ def _lean_with(overrides: dict):
 
 
 def _lean_gluon(s: Inputs):
-    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, not yet routed): 16-bit latent
+    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``; no tuning entry routes to it): 16-bit latent
     pages of 64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule
     is computed once a step, untimed, as FlashMLA's metadata is."""
     from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule

@@ -119,9 +119,11 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         )
     if "bench" in groups:
         # The Gluon MLA kernel (lean_tp.ops.mla_gluon): its CUDA test (ragged lengths, splits, NaN
-        # pages), then exact against float64 and timed beside lean (benchmarks/mla_decode_gluon.py).
+        # pages, and decode_attention's route to it, compiled and in a CUDA graph: 5 kernel
+        # compiles and 2 torch.compile), then exact against float64 and timed beside lean
+        # (benchmarks/mla_decode_gluon.py).
         gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
-        steps.append(("mla decode gluon tests", gluon_test, 120))
+        steps.append(("mla decode gluon tests", gluon_test, 180))
         steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
     if "profile" in groups:

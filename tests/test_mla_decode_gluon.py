@@ -183,3 +183,85 @@ def test_bad_input_is_refused_by_name(change, error, name):
     )
     with pytest.raises(error, match=name):
         launcher.check_gluon_inputs(**(args | change))
+
+
+def _routed_plan(plan_change: dict, **call):
+    """An MLA call planned on CPU, then placed on an sm_90 device whose 16-bit MLA entry routes 64
+    rows and more to the Gluon kernel (what ``plan_decode`` gives there, but for the device), with
+    ``plan_change``'s fields of the plan, its layout, features, kernel or tuning entry replaced."""
+    from dataclasses import replace
+
+    from lean_tp.ops.decode_attention.launcher import plan_decode
+
+    script = _script()
+    lens, heads, tq = call.pop("lens", [0, 70, 130]), call.pop("heads", 128), call.pop("tq", 1)
+    q, pool, seqlens, table = script.paged_problem(lens, heads=heads, device="cpu", tq=tq)
+    dtype = call.pop("dtype", torch.bfloat16)
+    args = script.lean_inputs(q.to(dtype), pool.to(dtype), seqlens, table) | call
+    plan = plan_decode(**args, softmax_scale=576**-0.5)
+    parts = dict(layout=plan.layout, features=plan.features, kernel=plan.kernel)
+    config = replace(plan.kernel.config, **{"gluon_rows": 64} | plan_change.get("config", {}))
+    parts = {name: replace(part, **plan_change.get(name, {})) for name, part in parts.items()}
+    parts["kernel"] = replace(parts["kernel"], arch=plan_change.get("arch", "sm90"), config=config)
+    return replace(plan, **parts, **{"device": torch.device("cuda", 0)} | plan_change.get("plan", {}))
+
+
+@pytest.mark.parametrize(
+    "plan_change,call,routed",
+    [
+        ({}, dict(), True),  # DP attention's 128 heads
+        ({}, dict(heads=64, tq=4), True),  # Kimi-K2's 64 heads, MTP
+        ({}, dict(heads=64, tq=16), True),
+        ({"config": dict(gluon_rows=None)}, dict(), False),  # no entry routes
+        ({"config": dict(gluon_rows=256)}, dict(), False),
+        ({"plan": dict(device=torch.device("cpu"))}, dict(), False),
+        ({"arch": "sm100"}, dict(), False),
+        ({"layout": dict(page_size=32)}, dict(), False),
+        ({"layout": dict(k_strides=(2 * 64 * 576, 576, 576))}, dict(), False),  # pages not contiguous
+        ({"features": dict(fp8=torch.float8_e4m3fn)}, dict(), False),
+        ({}, dict(heads=16, tq=2), False),  # 32 rows, below gluon_rows
+        ({}, dict(heads=96), False),  # heads not in blocks of 64
+        ({}, dict(dtype=torch.float16), False),
+        ({}, dict(softcap=30.0), False),
+        ({}, dict(window=64), False),
+        ({}, dict(sinks=torch.zeros(128)), False),
+        ({}, dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), False),
+        ({}, dict(batch_invariant=True), False),
+    ],
+)
+def test_gluon_takes_the_planned_calls_its_kernel_takes(plan_change, call, routed):
+    """The route's rule (``gluon_takes``): an sm_90 CUDA device whose entry sets ``gluon_rows``,
+    bf16, contiguous 64-row pages of one latent head with V their first 512 columns, Tq x heads of
+    at least ``gluon_rows`` in blocks of 64, Tq <= 16, no feature the kernel lacks. Each case
+    changes one thing from a routed call: the plan's fields, or the call the plan is made from."""
+    from lean_tp.ops.mla_gluon.launcher import gluon_takes
+
+    assert gluon_takes(_routed_plan(plan_change, **call)) is routed
+
+
+def test_decode_attention_runs_a_routed_call_on_the_gluon_op(monkeypatch):
+    """A call the plan routes (``gluon_takes``, forced here: the kernel needs an sm_90 GPU) returns
+    ``lean_tp::mla_decode_gluon``'s out and lse, the op given lean's paged cache as the kernel's
+    pool (a view: no copy), the lengths, the block table and the scale. The kernel is replaced by
+    its float64 reference, so the values are exact; ``opcheck`` checks the op's registration (its
+    schema, fake and dispatch) over the same stand-in."""
+    import lean_tp
+    from lean_tp.ops.decode_attention import launcher as lean_launcher
+    from lean_tp.ops.mla_gluon import launcher
+
+    script, seen = _script(), []
+    q, pool, seqlens, table = problem = script.paged_problem([0, 1, 64, 65, 700], heads=128, device="cpu", tq=2)
+
+    def kernel(q, pool, cache_seqlens, block_table, softmax_scale=None):
+        seen.append((pool, softmax_scale))
+        out, lse = script.reference(q, pool, cache_seqlens, block_table)
+        return out.to(q.dtype), lse.float()
+
+    monkeypatch.setattr(launcher, "mla_decode_gluon", kernel)
+    monkeypatch.setattr(lean_launcher, "gluon_takes", lambda plan: True)
+    inputs = script.lean_inputs(*problem)
+    out, lse = lean_tp.decode_attention(**inputs, return_lse=True, backend="triton")
+    ref_out, ref_lse = script.reference(*problem)
+    assert torch.equal(out, ref_out.bfloat16()) and torch.equal(lse, ref_lse.float())
+    assert seen[0][0].shape == pool.shape and seen[0][0].data_ptr() == pool.data_ptr() and seen[0][1] == 576**-0.5
+    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, (q, inputs["k_cache"], seqlens, table, 576**-0.5))

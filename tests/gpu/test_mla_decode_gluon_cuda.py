@@ -2,7 +2,8 @@
 lengths around its 64-key tile (0 to 4099) in one launch, on shuffled 64-row pages whose rows no
 sequence holds are NaN (the rest of a last page must be neither read into a score nor multiplied
 into the output), with 64 and 128 heads and 1 to 4 query tokens, over grids that leave outputs
-whole or split them over programs (the merge).
+whole or split them over programs (the merge); and ``lean_tp.decode_attention`` routing DP
+attention's calls there (``gluon_takes``), eager, compiled and replayed from a CUDA graph.
 
 Skipped without an sm_90 device; ``python scripts/gpu_check.py`` runs it on a GPU.
 """
@@ -36,3 +37,49 @@ def test_mla_decode_gluon_matches_float64(heads, tq, num_programs):
     ref_out, ref_lse = mla_decode_gluon.reference(q, pool, seqlens, table)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """The sm_90 16-bit MLA entry routing calls of 64 rows and more to the Gluon kernel."""
+    from dataclasses import replace
+
+    from lean_tp.ops.decode_attention import tuning
+
+    key = ("sm90", 576, 2)
+    monkeypatch.setitem(tuning.TUNING_TABLE, key, replace(tuning.TUNING_TABLE[key], gluon_rows=64))
+
+
+@pytest.mark.parametrize("heads,tq", [(128, 1), (64, 2)])
+def test_decode_attention_runs_routed_calls_on_the_gluon_kernel(routed, heads, tq):
+    """A routed call (the plan says so) matches float64; compiled with ``fullgraph=True`` and
+    replayed from a CUDA graph it gives the same bits; ``opcheck`` passes on the kernel itself."""
+    import lean_tp
+    from lean_tp.ops.decode_attention.launcher import plan_decode
+
+    problem = mla_decode_gluon.paged_problem([0, 1, 63, 64, 65, 1000, 4099, 130], heads=heads, seed=7, tq=tq)
+    inputs = mla_decode_gluon.lean_inputs(*problem)
+    assert plan_decode(**inputs, softmax_scale=576**-0.5).gluon
+
+    def call():
+        return lean_tp.decode_attention(**inputs, return_lse=True)
+
+    out, lse = call()
+    ref_out, ref_lse = mla_decode_gluon.reference(*problem)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
+    compiled = torch.compile(call, fullgraph=True)()
+    assert torch.equal(compiled[0], out) and torch.equal(compiled[1], lse)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
+    q, _, seqlens, table = problem
+    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, (q, inputs["k_cache"], seqlens, table, 576**-0.5))

@@ -42,6 +42,7 @@ from lean_tp.ops.decode_attention.tuning import (
     DecodeConfig,
     arch_of,
 )
+from lean_tp.ops.mla_gluon.launcher import gluon_takes
 
 
 def plan_decode(
@@ -113,7 +114,7 @@ def plan_decode(
     num_programs *= -(-kernel.lanes // num_programs)
     plan = dataclasses.replace(plan, kernel=kernel, num_programs=num_programs, num_sms=num_sms)
     check_tile_count(plan.schedule_batch, plan.head_units, layout.capacity, kernel.config.tile_n)
-    return plan
+    return dataclasses.replace(plan, gluon=gluon_takes(plan))
 
 
 def decode_attention_fwd(

@@ -3,6 +3,8 @@
 The op is a ``triton_op`` so that ``torch.compile`` sees the Triton kernel itself (through
 ``wrap_triton``) on CUDA, and traces the plain-torch body on CPU. It always returns (out, lse);
 the Python wrapper drops lse unless asked. The op is inference-only: it has no autograd formula.
+A call whose plan routes it to the Gluon MLA kernel (``DecodePlan.gluon``) runs the custom op
+``lean_tp::mla_decode_gluon`` instead of the Triton kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from lean_tp.ops.decode_attention.checks import check_flag, check_inputs, check_
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
 from lean_tp.ops.decode_attention.torch_impl import decode_attention_torch
+from lean_tp.ops.mla_gluon import op as _mla_gluon_op  # noqa: F401  registers lean_tp::mla_decode_gluon
 from lean_tp.ops.utils import interpreted
 
 # Under the interpreter the kernel is launched as is: torch 2.11's wrap_triton rejects the
@@ -76,6 +79,9 @@ def decode_attention_op(
         )
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+    if plan.gluon:
+        seqlens = cache_seqlens.contiguous()
+        return torch.ops.lean_tp.mla_decode_gluon(q.contiguous(), k_cache, seqlens, block_table, softmax_scale)
     return decode_attention_fwd(
         q,
         k_cache,

@@ -211,6 +211,7 @@ class DecodePlan:
     kernel: KernelVariant | None = None
     num_programs: int = 0  # the persistent grid; 0 on the torch backend
     num_sms: int = 0  # SMs the grid is spread over (a divisor of num_programs)
+    gluon: bool = False  # the Gluon MLA kernel runs it (``mla_gluon.gluon_takes``), not ``kernel``
 
     @property
     def group(self) -> int:

@@ -2,9 +2,11 @@
 split outputs merged by a Triton kernel (``combine``); ``launcher.mla_decode_gluon`` runs it, on a
 schedule ``mla_gluon_schedule`` computes once a step.
 
-Not yet a backend of ``lean_tp.decode_attention``: it takes 16-bit latent caches in 64-row pages,
-heads in 64-row blocks (DP attention's 128, Kimi-K2's 64) and up to 16 query tokens a sequence,
-and it is routed there once an sm_90 GPU has measured it against the Triton kernel (docs/mla.md).
+``lean_tp.decode_attention`` runs a call here through the op ``lean_tp::mla_decode_gluon`` (``op``)
+where the plan routes it (``launcher.gluon_takes``): 16-bit latent caches in 64-row pages, heads
+in 64-row blocks (DP attention's 128, Kimi-K2's 64), up to 16 query tokens a sequence, and a
+tuning entry that sets ``DecodeConfig.gluon_rows``. No entry sets it until an sm_90 GPU has
+measured the kernel against the Triton one (docs/mla.md).
 """
 
 from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule

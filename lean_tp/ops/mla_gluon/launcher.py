@@ -8,7 +8,7 @@ import torch
 import triton
 
 from lean_tp.ops.decode_attention.cache import valid_keys
-from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, check_tile_count
+from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, DecodePlan, check_tile_count
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, program_ranges_kernel
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MIN_TILES_PER_PROGRAM, SCHEDULE_BLOCK_B
 from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
@@ -19,6 +19,25 @@ ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
 COMBINE_COLS = 128  # columns a merge program folds: 4 programs an output's 512
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
+
+
+def gluon_takes(plan: DecodePlan) -> bool:
+    """Whether ``lean_tp.decode_attention`` runs a planned call on this kernel: its tuning entry
+    routes calls of ``DecodeConfig.gluon_rows`` query rows or more here (Tq x heads of the one KV
+    head), and the kernel takes the call as ``check_gluon_inputs`` would: an sm_90 CUDA device, a
+    bf16 q and latent cache in contiguous 64-row pages with V its rows' first 512 columns, heads a
+    multiple of 64, Tq <= 16, and no fp8, softcap, window, sinks, left padding or batch-invariant
+    mode. Shapes, dtypes and the device only: never a tensor's values."""
+    kernel, layout, f = plan.kernel, plan.layout, plan.features
+    rows = kernel and kernel.config.gluon_rows
+    if not rows or plan.device.type != "cuda" or kernel.arch != "sm90" or f.num_tokens * plan.group < rows:
+        return False
+    pool_strides = (BLOCK_N * (DV + DR), DV + DR)  # (pages, 64, 1, 576) as (pages, 64, 576)
+    takes_cache = layout.paged and layout.page_size == BLOCK_N and layout.k_strides[:2] == pool_strides
+    takes_dims = plan.head_dim == DV + DR and layout.head_dim_v == DV and f.v_in_k
+    takes_heads = layout.num_kv_heads == 1 and plan.group % ROWS == 0 and f.num_tokens <= MAX_TQ
+    plain = not (f.fp8 or f.softcap or f.window or f.sinks or f.leftpad or f.batch_invariant)
+    return plan.dtype == torch.bfloat16 and takes_cache and takes_dims and takes_heads and plain
 
 
 def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor):
