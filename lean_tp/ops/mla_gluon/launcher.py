@@ -112,11 +112,15 @@ def mla_gluon_schedule(
     (a multiple of 64) of ``tq`` tokens a sequence. Computed once a step, every layer's call takes
     it (``schedule=``), as FlashMLA's metadata is; one launch, no sync. ``num_programs``: the grid
     (default the SM count: one 225 KB program an SM), rounded to whole lanes."""
-    head_units = tq * heads // ROWS
-    num_programs = num_programs or torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count
-    num_programs = max(num_programs // head_units, 1) * head_units  # as many programs in every lane
-    check_tile_count(cache_seqlens.shape[0], head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
+    return _schedule(seqlens, block_table, tq * heads // ROWS, num_programs)
+
+
+def _schedule(seqlens: torch.Tensor, block_table: torch.Tensor, head_units: int, num_programs: int | None):
+    """``mla_gluon_schedule`` of lengths already clamped to the block table's capacity."""
+    num_programs = num_programs or torch.cuda.get_device_properties(seqlens.device).multi_processor_count
+    num_programs = max(num_programs // head_units, 1) * head_units  # as many programs in every lane
+    check_tile_count(seqlens.shape[0], head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
     return program_ranges(seqlens, head_units, num_programs)
 
 
@@ -150,11 +154,11 @@ def mla_decode_gluon(
     check_gluon_inputs(q, pool, cache_seqlens, block_table)
     batch, heads, tq = q.shape[0], q.shape[-2], (q.shape[1] if q.dim() == 4 else 1)
     head_units = tq * heads // ROWS
+    seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
     if schedule is None:
-        schedule = mla_gluon_schedule(cache_seqlens, block_table, heads, tq, num_programs)
+        schedule = _schedule(seqlens, block_table, head_units, num_programs)
     check_schedule(schedule, head_units, q.device)
     num_programs = schedule.shape[0]
-    seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
     out = torch.empty(batch * tq * heads, DV, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch * tq * heads, dtype=torch.float32, device=q.device)
     part_out = torch.empty(num_programs, 2, ROWS, DV, dtype=torch.float32, device=q.device)

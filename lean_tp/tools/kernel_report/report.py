@@ -106,8 +106,7 @@ class KernelStats:
 
     @property
     def head_dim_v(self) -> int:
-        """V's head dim: the entry's (MLA: 512, read from K's tile), else K's."""
-        return paired_head_dim_v(self.head_dim) or self.head_dim
+        return v_head_dim(self.head_dim)
 
     @property
     def bytes_per_key(self) -> float:
@@ -377,11 +376,16 @@ def _arch_label(dtype: str, features: str) -> str:
     return features.removeprefix("fp8_") or dtype
 
 
+def v_head_dim(head_dim: int) -> int:
+    """V's head dim in a report row: the entry's (MLA: 512, read from K's tile), else K's."""
+    return paired_head_dim_v(head_dim) or head_dim
+
+
 def arch_row_start(job: tuple) -> str:
     """The first four cells (arch, D, dtype / feature, layout) of ``arch_markdown``'s row of an
     ``arch_jobs`` job, known without compiling it."""
     arch, head_dim, dtype, layout, *_, features = job
-    dims = _dims(head_dim, paired_head_dim_v(head_dim) or head_dim)
+    dims = _dims(head_dim, v_head_dim(head_dim))
     return f"| {arch} | {dims} | {_arch_label(dtype, features)} | {layout} |"
 
 
