@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 from lean_tp.tools.gpus import GPUModel
-from lean_tp.tools.simulate.mla import MLA_PEERS
 from lean_tp.tools.simulate.problems import Problem
 from lean_tp.tools.simulate.schedules import Schedule
+from lean_tp.tools.simulate.tables import taking_peer_ratios
 
 
 def plot_gantt(problem: Problem, gpu: GPUModel, result: dict[str, Schedule], path: str) -> None:
@@ -168,7 +168,8 @@ def plot_mla_sweep(rows: list[dict], path: str) -> None:
                 )  # fmt: skip
                 ax.plot(
                     [r["context"] for r in mine],
-                    [_fastest_peer(r) for r in mine],
+                    # NaN, no point, where no peer's code takes the row's cache
+                    [min(taking_peer_ratios(r).values(), default=math.nan) for r in mine],
                     style,
                     color=f"C{k}",
                     marker="os^Dv"[k % 5],
@@ -191,13 +192,6 @@ def plot_mla_sweep(rows: list[dict], path: str) -> None:
     fig.tight_layout(rect=(0, 0, 0.92, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _fastest_peer(row: dict) -> float:
-    """The fastest peer's time over lean's in an MLA sweep row; NaN (no point) where no peer's
-    code takes the row's cache."""
-    ratios = [row[f"speedup_vs_{peer}"] for peer in MLA_PEERS if row[f"speedup_vs_{peer}"] is not None]
-    return min(ratios, default=math.nan)
 
 
 # --deterministic-sweep's engine modes: (row key prefix, label, line style, marker).

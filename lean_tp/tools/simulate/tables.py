@@ -3,7 +3,7 @@ context-parallel sweep's per-rank memory and time."""
 
 from __future__ import annotations
 
-import math
+from statistics import geometric_mean
 
 import torch
 
@@ -208,19 +208,23 @@ def format_tp_table(rows: list[dict]) -> str:
 MLA_PEER_NAMES = ("FlashMLA", "FlashInfer", "vLLM Triton", "SGLang Triton")  # mla.MLA_PEERS' order
 
 
+def taking_peer_ratios(row: dict) -> dict[str, float]:
+    """An MLA sweep row's peer time over lean's, of the peers whose code takes its cache."""
+    return {peer: row[f"speedup_vs_{peer}"] for peer in MLA_PEERS if row[f"speedup_vs_{peer}"] is not None}
+
+
 def format_mla_table(rows: list[dict]) -> str:
     """The MLA sweep's rows (``--mla-sweep``): lean against each MLA peer (``mla.MLA_PEERS``), the
     peer's time over lean's (above 1: lean is faster); "-" and "n/a" where the peer's code does not
     take the cache (``mla.mla_peer_takes``)."""
-    names = MLA_PEER_NAMES
     head = (
         "| GPU | model | rank (heads) | cache | Tq | B | context | lean us | merge us | programs | "
-        + " | ".join(f"{n} us" for n in names)
+        + " | ".join(f"{n} us" for n in MLA_PEER_NAMES)
         + " | "
-        + " | ".join(f"{n} / lean" for n in names)
+        + " | ".join(f"{n} / lean" for n in MLA_PEER_NAMES)
         + " |"
     )
-    lines = [head, "|" + "---|" * (10 + 2 * len(names))]
+    lines = [head, "|" + "---|" * (10 + 2 * len(MLA_PEER_NAMES))]
     for r in rows:
         times = " | ".join("-" if r[f"{peer}_us"] is None else f"{r[f'{peer}_us']:.1f}" for peer in MLA_PEERS)
         ratios = " | ".join(_ratio(r[f"speedup_vs_{peer}"]) for peer in MLA_PEERS)
@@ -240,15 +244,13 @@ def format_mla_summary(rows: list[dict]) -> str:
     ranks = dict.fromkeys((r["gpu"], r["model"], r["parallel"], r["heads"]) for r in rows)
     for gpu, model, parallel, heads in sorted(ranks, key=lambda rank: gpus.index(rank[0])):
         mine = [r for r in rows if (r["gpu"], r["model"], r["parallel"], r["heads"]) == (gpu, model, parallel, heads)]
+        taken = [taking_peer_ratios(r) for r in mine]
         cells = []
         for peer in MLA_PEERS:
-            xs = [r[f"speedup_vs_{peer}"] for r in mine if r[f"speedup_vs_{peer}"] is not None]
-            geomean = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
-            cells.append(
-                f"{min(xs):.2f}-{max(xs):.2f}, {geomean:.2f} ({sum(x >= 1 for x in xs)}/{len(xs)})" if xs else "-"
-            )
-        taken = [[r[f"speedup_vs_{p}"] for p in MLA_PEERS if r[f"speedup_vs_{p}"] is not None] for r in mine]
-        every = sum(min(xs) >= 1 for xs in taken if xs)
+            xs = [ratios[peer] for ratios in taken if peer in ratios]
+            cell = f"{min(xs):.2f}-{max(xs):.2f}, {geometric_mean(xs):.2f} ({sum(x >= 1 for x in xs)}/{len(xs)})"
+            cells.append(cell if xs else "-")
+        every = sum(min(ratios.values()) >= 1 for ratios in taken if ratios)
         lines.append(
             f"| {gpu} | {model} {parallel} ({heads}) | {' | '.join(cells)} | {every}/{sum(map(bool, taken))} |"
         )
