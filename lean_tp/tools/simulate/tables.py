@@ -248,8 +248,8 @@ def format_mla_summary(rows: list[dict]) -> str:
         cells = []
         for peer in MLA_PEERS:
             xs = [ratios[peer] for ratios in taken if peer in ratios]
-            cell = f"{min(xs):.2f}-{max(xs):.2f}, {geometric_mean(xs):.2f} ({sum(x >= 1 for x in xs)}/{len(xs)})"
-            cells.append(cell if xs else "-")
+            count = f"({sum(x >= 1 for x in xs)}/{len(xs)})"
+            cells.append(f"{min(xs):.2f}-{max(xs):.2f}, {geometric_mean(xs):.2f} {count}" if xs else "-")
         every = sum(min(ratios.values()) >= 1 for ratios in taken if ratios)
         lines.append(
             f"| {gpu} | {model} {parallel} ({heads}) | {' | '.join(cells)} | {every}/{sum(map(bool, taken))} |"
