@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -237,6 +238,10 @@ def _flashinfer_mla(s: Inputs):
     import flashinfer
 
     q, lens, table, cache = s["q"], s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    run_args = inspect.signature(flashinfer.mla.BatchMLAPagedAttentionWrapper.run).parameters
+    if fp8 and "ckv_scale" not in run_args:  # FlashInfer's e4m3 MLA cache came with its scales
+        raise NotImplementedError(f"flashinfer {flashinfer.__version__} takes no e4m3 MLA cache (0.6.18 does)")
     page = cache.shape[1]
     used = (lens + page - 1) // page
     indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()
@@ -249,9 +254,7 @@ def _flashinfer_mla(s: Inputs):
                  q.dtype, cache.dtype)  # fmt: skip
     q_nope, q_pe = q[..., :MLA_RANK].contiguous(), q[..., MLA_RANK:].contiguous()
     ckv, kpe = cache[..., :MLA_RANK].contiguous(), cache[..., MLA_RANK:].contiguous()
-    scales = {}
-    if cache.dtype == torch.float8_e4m3fn:
-        scales = dict(ckv_scale=float(s["k_scale"]), kpe_scale=float(s["k_scale"]))
+    scales = dict(ckv_scale=float(s["k_scale"]), kpe_scale=float(s["k_scale"])) if fp8 else {}
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, **scales)
 
 
