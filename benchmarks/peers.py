@@ -239,7 +239,7 @@ def _flashinfer_mla(s: Inputs):
 
     q, lens, table, cache = s["q"], s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
     fp8 = cache.dtype == torch.float8_e4m3fn
-    run_args = inspect.signature(flashinfer.mla.BatchMLAPagedAttentionWrapper.run).parameters
+    run_args = inspect.signature(flashinfer.mla.BatchMLAPagedAttentionWrapper.run).parameters if fp8 else {}
     if fp8 and "ckv_scale" not in run_args:  # FlashInfer's e4m3 MLA cache came with its scales
         raise NotImplementedError(f"flashinfer {flashinfer.__version__} takes no e4m3 MLA cache (0.6.18 does)")
     page = cache.shape[1]

@@ -117,7 +117,7 @@ class DecodeConfig:
     # Calls whose query rows on a KV head (Tq x heads) number at least this run on the Gluon MLA
     # kernel (``lean_tp.ops.mla_gluon``) where it takes them (``mla_gluon.gluon_takes``); None:
     # never. No entry sets it: the kernel in its stream-K form has not run on an sm_90 GPU yet
-    # (docs/mla.md), so it is set by measurement, as the overrides of tests and benchmarks set it.
+    # (docs/mla.md); the route's tests set it by overriding the entry.
     gluon_rows: int | None = None
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
