@@ -255,3 +255,24 @@ def test_decode_attention_mla_opcheck():
     torch.library.opcheck(op, (*args, KERNEL_DQK**-0.5, "torch"))
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(op, (*args, KERNEL_DQK**-0.5, "triton"), test_utils=utils)
+
+
+def test_a_compiled_call_reads_v_from_ks_tile(monkeypatch):
+    """Under torch.compile the op's body sees functional wrappers of K and V, which alias nothing:
+    the plan still finds V to be K's prefix (so sm_90 gets the kernel that fits its shared memory
+    and the Gluon route stays open), eager and compiled alike."""
+    from lean_tp.ops.decode_attention import op
+
+    seen = []
+
+    def planned(*args, **kwargs):
+        plan = plan_decode(*args, **kwargs)
+        seen.append(plan.features.v_in_k)
+        return plan
+
+    monkeypatch.setattr(op, "plan_decode", planned)
+    inputs = mla_inputs("paged64", 16, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5, 70])
+    eager = lean_tp.decode_attention(**inputs)
+    compiled = torch.compile(lambda: lean_tp.decode_attention(**inputs), backend="aot_eager", fullgraph=True)()
+    assert len(seen) > 1 and all(seen)  # the eager call, then the compiled trace's
+    assert torch.equal(compiled, eager)

@@ -111,3 +111,16 @@ def test_mla_cuda_graph_replay_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, lse, inputs, _atol(inputs))
+
+
+@pytest.mark.parametrize("group,fp8", [(16, False), (128, True)])
+def test_mla_cuda_compiled(group, fp8):
+    """``torch.compile(fullgraph=True)`` of a call on V's view of K gives the eager call's bits:
+    the compiled plan reads V from K's tile too (read apart, sm_90's tiles would not fit its
+    shared memory)."""
+    inputs = _inputs(LENS, group, torch.bfloat16, "paged64", fp8=fp8, seed=4)
+    eager = lean_tp.decode_attention(**inputs, return_lse=True)
+    compiled = torch.compile(
+        lambda: lean_tp.decode_attention(**inputs, return_lse=True), fullgraph=True, dynamic=False
+    )()
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.functional_tensor import mb_unwrap_functional_tensor
 
 # Each layout's shape in words, keyed by ``paged``, for error messages.
 SHAPES = {False: "(B, Hkv, S_max, D)", True: "(num_pages, page_size, Hkv, D) with block_table"}
@@ -75,7 +76,10 @@ def is_prefix_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether v_cache is ``k_cache[..., :Dv]`` with Dv below K's head dim: K's storage at K's
     offset and strides, so each of its rows is the start of K's (one tensor passed as both K and V
     is read as two, like any pair). Reads metadata only: fake tensors keep their views' aliasing,
-    but Dynamo cannot trace the alias test, so only the op's plan asks (``launcher.plan_decode``)."""
+    but Dynamo cannot trace the alias test, so only the op's plan asks (``launcher.plan_decode``).
+    Under torch.compile the op's body sees functional wrappers, which alias nothing; the test asks
+    the tensors they wrap."""
+    v_cache, k_cache = mb_unwrap_functional_tensor(v_cache), mb_unwrap_functional_tensor(k_cache)
     return (
         v_cache.shape[-1] < k_cache.shape[-1]
         and torch._C._is_alias_of(v_cache, k_cache)
