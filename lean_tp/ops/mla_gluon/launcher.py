@@ -17,7 +17,11 @@ from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 # and rope columns of a cache row; keys a tile (a page), K/V buffers.
 ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
-COMBINE_COLS = 128  # columns a merge program folds: 4 programs an output's 512
+# The merge of a split output: programs of COMBINE_COLS of its 512 columns each, folding
+# COMBINE_CHUNK contributors' partials a step. One sequence on every SM has about 66 contributors
+# an output: 32 programs an output, each waiting on memory 5 times, not 66 (a (16, 64, 16) fp32
+# step is 64 registers a thread at 8 warps).
+COMBINE_COLS, COMBINE_CHUNK, COMBINE_WARPS = 16, 16, 8
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
 
 
@@ -100,7 +104,7 @@ def combine(
     grid = (max(ranges.shape[0], out.shape[0] // ROWS), DV // COMBINE_COLS)
     mla_combine_kernel[grid](
         ranges, cache_seqlens, part_out, part_lse, out, lse, ranges.shape[0], cache_seqlens.shape[0],
-        HU=head_units, ROWS=ROWS, DV=DV, COLS=COMBINE_COLS,
+        HU=head_units, ROWS=ROWS, DV=DV, COLS=COMBINE_COLS, CHUNK=COMBINE_CHUNK, num_warps=COMBINE_WARPS,
     )  # fmt: skip
 
 
@@ -112,6 +116,8 @@ def mla_gluon_schedule(
     (a multiple of 64) of ``tq`` tokens a sequence. Computed once a step, every layer's call takes
     it (``schedule=``), as FlashMLA's metadata is; one launch, no sync. ``num_programs``: the grid
     (default the SM count: one 225 KB program an SM), rounded to whole lanes."""
+    if heads < 1 or heads % ROWS or not 1 <= tq <= MAX_TQ:
+        raise ValueError(f"heads, tq: expected heads a multiple of {ROWS} and 1 <= tq <= {MAX_TQ}, got {heads}, {tq}")
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
     return _schedule(seqlens, block_table, tq * heads // ROWS, num_programs)
 
