@@ -92,8 +92,11 @@ def _lean_gluon(s: Inputs):
     pages of 64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule
     is computed once a step, untimed, as FlashMLA's metadata is."""
     from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule
+    from lean_tp.ops.mla_gluon.launcher import ROWS
 
     q, lens, table = s["q"], s["cache_seqlens"], s["block_table"]
+    if q.shape[-2] % ROWS:
+        raise NotImplementedError(f"takes heads in blocks of {ROWS}, got {q.shape[-2]}")
     pool = s["k_cache"][:, :, 0]  # (pages, 64, 576): the one latent head
     schedule = mla_gluon_schedule(lens, table, q.shape[-2], q.shape[1] if q.dim() == 4 else 1)
     return lambda: mla_decode_gluon(q, pool, lens, table, schedule=schedule)[0]
