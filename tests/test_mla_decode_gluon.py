@@ -16,6 +16,7 @@ import torch
 
 from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launcher import lean_schedule
+from lean_tp.ops.mla_gluon import launcher
 from lean_tp.ops.mla_gluon.launcher import (
     BLOCK_N,
     DV,
@@ -100,15 +101,21 @@ def test_a_steps_schedule_is_the_ranges_of_its_clamped_lengths_on_whole_lanes():
             check_schedule(bad, units, schedule.device)
 
 
-@pytest.mark.parametrize("heads,tq,num_programs", [(64, 1, 3), (128, 1, 8), (128, 1, 24), (64, 3, 8), (64, 1, 40)])
-def test_partials_written_as_the_kernel_walks_merge_into_float64(heads, tq, num_programs):
+@pytest.mark.parametrize(
+    "heads,tq,num_programs,many",
+    [(64, 1, 3, None), (128, 1, 8, None), (128, 1, 24, None), (64, 3, 8, True), (64, 1, 40, True), (64, 1, 40, False)],
+)
+def test_partials_written_as_the_kernel_walks_merge_into_float64(heads, tq, num_programs, many, monkeypatch):
     """The kernel's walk modelled in float64 from ``lean_schedule``'s segments: each unit's rows
     against the keys its token sees in the segment's tiles (none: out 0, lse -inf), a whole output
     stored at its rows, a split one's normalized partial and lse in the program's slot (0 for its
     first segment, 1 for its last); ``combine`` (interpreted) merges the split ones and writes the
     empty sequences', so out and lse, NaN before, match the float64 reference everywhere. With 3
     query tokens, a length of 1 leaves the first token no key, and 65 hides keys of two tiles from
-    it. On 40 programs the longest output has 21 contributors: two of the merge's steps."""
+    it. On 40 programs the longest output has 21 contributors: two steps of the merge's form for
+    many contributors, 21 of its form for few (``many`` forces a form)."""
+    if many is not None:
+        monkeypatch.setattr(launcher, "COMBINE_MANY", 0 if many else 1 << 20)
     script = _script()
     q, pool, seqlens, table = script.paged_problem(LENS, heads=heads, device="cpu", seed=heads + tq, tq=tq)
     ref_out, ref_lse = script.reference(q, pool, seqlens, table)

@@ -1,8 +1,8 @@
 """The merge of ``mla_decode_gluon_kernel``'s split outputs, a Triton kernel (the interpreter runs
-it on CPU). Each split output is merged by its first contributor's programs here, one a slice of
-COLS of the 512 columns, so a split output's merge runs beside every other's and over its columns
-in parallel; empty sequences' outputs (no tiles, so no program of the main kernel holds them) are
-written here too.
+it on CPU). One program an output and slice of COLS of its 512 columns: a split output's merge
+runs beside every other's and over its columns in parallel, and no program waits on an output
+that needs none. Empty sequences' outputs (no tiles, so no program of the main kernel holds them)
+are written here too.
 """
 
 from __future__ import annotations
@@ -32,27 +32,32 @@ def mla_combine_kernel(
     out_ptr,  # (B x HU x ROWS, DV) bf16
     lse_ptr,  # (B x HU x ROWS,) fp32
     num_programs,
-    B,
     HU: tl.constexpr,
     ROWS: tl.constexpr,
     DV: tl.constexpr,
     COLS: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """Program (i, c), columns [c COLS, (c + 1) COLS): as program i of the main kernel, the output
-    its last segment holds when it is that output's first contributor and others share it:
-    contributor k's partial is in slot 0 of program i + k, the first one's in the slot the range
-    names, weighted by exp(lse_k - max lse). As row block i (i < B x HU) of an empty sequence:
-    out 0, lse -inf."""
-    i = tl.program_id(0)
+    """Program (o, c): output o (row block b x HU + hu), columns [c COLS, (c + 1) COLS). Split, it
+    is merged from its contributors' partials: the first is the program whose range names o with
+    more than one contributor, contributor k's partial is in slot 0 of the first's program + k
+    (the first one's in the slot its range names), weighted by exp(lse_k - max lse). Of an empty
+    sequence: out 0, lse -inf. Otherwise the main kernel wrote it whole."""
+    o = tl.program_id(0)
     c = tl.program_id(1)
     o_r = tl.arange(0, ROWS)
     o_c = c * COLS + tl.arange(0, COLS)
-    place = range_ptr + i * RANGE_FIELDS
-    n_contrib = tl.load(place + 9, mask=i < num_programs, other=0)
-    if n_contrib > 1:
-        row0 = tl.load(place + 8) * ROWS
-        slot = tl.load(place + 10)
+    rows = o * ROWS + o_r
+    o_p = tl.arange(0, BLOCK_P)
+    place = range_ptr + o_p * RANGE_FIELDS
+    merges = (tl.load(place + 8, mask=o_p < num_programs, other=-1) == o) & (
+        tl.load(place + 9, mask=o_p < num_programs, other=0) > 1
+    )
+    i = tl.min(tl.where(merges, o_p, BLOCK_P), 0)
+    if i < BLOCK_P:
+        n_contrib = tl.load(range_ptr + i * RANGE_FIELDS + 9)
+        slot = tl.load(range_ptr + i * RANGE_FIELDS + 10)
         o_k = tl.arange(0, CHUNK)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         for k0 in range(0, n_contrib, CHUNK):
@@ -67,8 +72,7 @@ def mla_combine_kernel(
         total = tl.zeros([ROWS], tl.float32)
         for k0 in range(0, n_contrib, CHUNK):
             # CHUNK contributors' partials a step, loaded together: the merge waits on memory
-            # CHUNK times less often than one contributor a step would (the partials of one
-            # sequence on every SM number over a hundred).
+            # CHUNK times less often than one contributor a step would.
             live = k0 + o_k < n_contrib
             rows_k = _slots(i, k0 + o_k, slot, n_contrib, ROWS, o_r)  # (CHUNK, ROWS)
             w = tl.exp(tl.load(part_lse_ptr + rows_k, mask=live[:, None], other=float("-inf")) - m[None, :])
@@ -77,12 +81,9 @@ def mla_combine_kernel(
             )
             acc += tl.sum(w[:, :, None] * part, 0)
             total += tl.sum(w, 0)
-        rows = row0 + o_r
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], out.to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + rows, m + tl.log(total), mask=c == 0)
-    seq_len = tl.load(seqlens_ptr + i // HU, mask=i < B * HU, other=1)  # HU: the units of all Tq tokens
-    if seq_len == 0:
-        rows = i * ROWS + o_r
+    if tl.load(seqlens_ptr + o // HU) == 0:  # HU: the units of all Tq tokens
         tl.store(out_ptr + rows[:, None] * DV + o_c[None, :], tl.zeros([ROWS, COLS], out_ptr.dtype.element_ty))
         tl.store(lse_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=c == 0)

@@ -17,11 +17,14 @@ from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 # and rope columns of a cache row; keys a tile (a page), K/V buffers.
 ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
-# The merge of a split output: programs of COMBINE_COLS of its 512 columns each, folding
-# COMBINE_CHUNK contributors' partials a step. One sequence on every SM has about 66 contributors
-# an output: 32 programs an output, each waiting on memory 5 times, not 66 (a (16, 64, 16) fp32
-# step is 64 registers a thread at 8 warps).
-COMBINE_COLS, COMBINE_CHUNK, COMBINE_WARPS = 16, 16, 8
+# The merge's form, (columns a program folds, partials it loads a step, warps), by whether an
+# output has many contributors when lengths are even (programs / outputs: shapes only, no sync).
+# Many (one sequence on every SM: 66 an output): 32 programs an output, each waiting on memory 5
+# times rather than 66 (a (16, 64, 16) fp32 step is 64 registers a thread at 8 warps). Few (B=32 at
+# 128 heads: 2 or 3 an output): 4 programs of 4 warps an output, so that a batch's merge is few
+# waves of programs (as 32 programs of 8 warps an output, it cost the H200 80 us more at B=32).
+COMBINE_MANY = 8
+COMBINE_FORMS = {True: (16, 16, 8), False: (128, 1, 4)}
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
 
 
@@ -101,10 +104,12 @@ def combine(
     """``mla_combine_kernel`` into out (B x head_units x 64, 512) and lse (B x head_units x 64,)
     from the main kernel's part_out (programs, 2, 64, 512) and part_lse (programs, 2, 64);
     head_units counts all of a sequence's Tq tokens."""
-    grid = (max(ranges.shape[0], out.shape[0] // ROWS), DV // COMBINE_COLS)
-    mla_combine_kernel[grid](
-        ranges, cache_seqlens, part_out, part_lse, out, lse, ranges.shape[0], cache_seqlens.shape[0],
-        HU=head_units, ROWS=ROWS, DV=DV, COLS=COMBINE_COLS, CHUNK=COMBINE_CHUNK, num_warps=COMBINE_WARPS,
+    num_programs, outputs = ranges.shape[0], out.shape[0] // ROWS
+    cols, chunk, warps = COMBINE_FORMS[num_programs >= COMBINE_MANY * outputs]
+    mla_combine_kernel[(outputs, DV // cols)](
+        ranges, cache_seqlens, part_out, part_lse, out, lse, num_programs,
+        HU=head_units, ROWS=ROWS, DV=DV, COLS=cols, CHUNK=chunk, BLOCK_P=triton.next_power_of_2(num_programs),
+        num_warps=warps,
     )  # fmt: skip
 
 
