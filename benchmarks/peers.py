@@ -88,9 +88,9 @@ def _lean_with(overrides: dict):
 
 
 def _lean_gluon(s: Inputs):
-    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``; no tuning entry routes to it): 16-bit latent
-    pages of 64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule
-    is computed once a step, untimed, as FlashMLA's metadata is."""
+    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, where sm_90's entry routes 128
+    rows and more): 16-bit latent pages of 64 rows, heads in blocks of 64 (its checks name what it
+    does not take). Its schedule is computed once a step, untimed, as FlashMLA's metadata is."""
     from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule
     from lean_tp.ops.mla_gluon.launcher import ROWS
 

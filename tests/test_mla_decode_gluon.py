@@ -16,6 +16,7 @@ import torch
 
 from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launcher import lean_schedule
+from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 from lean_tp.ops.mla_gluon import launcher
 from lean_tp.ops.mla_gluon.launcher import (
     BLOCK_N,
@@ -180,8 +181,6 @@ def test_lean_is_timed_on_the_gluon_kernels_problem():
 def test_bad_input_is_refused_by_name(change, error, name):
     """Every argument the kernel cannot take is named; the device is checked last, so that here
     the inputs it takes are refused for being on the CPU."""
-    from lean_tp.ops.mla_gluon import launcher
-
     args = dict(
         q=torch.zeros(2, 128, 576, dtype=torch.bfloat16),
         pool=torch.zeros(4, 64, 576, dtype=torch.bfloat16),
@@ -192,9 +191,17 @@ def test_bad_input_is_refused_by_name(change, error, name):
         launcher.check_gluon_inputs(**(args | change))
 
 
+@pytest.mark.parametrize("heads,tq", [(16, 1), (0, 1), (96, 1), (64, 0), (64, 17)])
+def test_a_schedule_for_heads_the_kernel_cannot_take_is_refused(heads, tq):
+    """The schedule names heads and Tq outside the kernel's (heads in blocks of 64, 1 <= Tq <= 16)
+    before it divides by them."""
+    with pytest.raises(ValueError, match="heads, tq: expected heads a multiple of 64"):
+        mla_gluon_schedule(torch.zeros(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), heads, tq)
+
+
 def _routed_plan(plan_change: dict, **call):
-    """An MLA call planned on CPU, then placed on an sm_90 device whose 16-bit MLA entry routes 64
-    rows and more to the Gluon kernel (what ``plan_decode`` gives there, but for the device), with
+    """An MLA call planned on CPU, then placed on an sm_90 device with its 16-bit MLA entry's
+    ``gluon_rows`` (what ``plan_decode`` gives there, but for the device), with
     ``plan_change``'s fields of the plan, its layout, features, kernel or tuning entry replaced."""
     from dataclasses import replace
 
@@ -207,7 +214,8 @@ def _routed_plan(plan_change: dict, **call):
     args = script.lean_inputs(q.to(dtype), pool.to(dtype), seqlens, table) | call
     plan = plan_decode(**args, softmax_scale=576**-0.5)
     parts = dict(layout=plan.layout, features=plan.features, kernel=plan.kernel)
-    config = replace(plan.kernel.config, **{"gluon_rows": 64} | plan_change.get("config", {}))
+    sm90 = TUNING_TABLE[("sm90", 576, 2)]
+    config = replace(plan.kernel.config, **{"gluon_rows": sm90.gluon_rows} | plan_change.get("config", {}))
     parts = {name: replace(part, **plan_change.get(name, {})) for name, part in parts.items()}
     parts["kernel"] = replace(parts["kernel"], arch=plan_change.get("arch", "sm90"), config=config)
     return replace(plan, **parts, **{"device": torch.device("cuda", 0)} | plan_change.get("plan", {}))
@@ -217,7 +225,9 @@ def _routed_plan(plan_change: dict, **call):
     "plan_change,call,routed",
     [
         ({}, dict(), True),  # DP attention's 128 heads
-        ({}, dict(heads=64, tq=4), True),  # Kimi-K2's 64 heads, MTP
+        ({}, dict(heads=64, tq=2), True),  # Kimi-K2's 64 heads, MTP: 128 rows
+        ({}, dict(heads=64, tq=4), True),
+        ({}, dict(heads=64), False),  # 64 rows, below the entry's 128 (unmeasured on a GPU)
         ({}, dict(heads=64, tq=16), True),
         ({"config": dict(gluon_rows=None)}, dict(), False),  # no entry routes
         ({"config": dict(gluon_rows=256)}, dict(), False),
@@ -226,7 +236,7 @@ def _routed_plan(plan_change: dict, **call):
         ({"layout": dict(page_size=32)}, dict(), False),
         ({"layout": dict(k_strides=(2 * 64 * 576, 576, 576))}, dict(), False),  # pages not contiguous
         ({"features": dict(fp8=torch.float8_e4m3fn)}, dict(), False),
-        ({}, dict(heads=16, tq=2), False),  # 32 rows, below gluon_rows
+        ({}, dict(heads=16, tq=4), False),  # 64 rows
         ({}, dict(heads=96), False),  # heads not in blocks of 64
         ({}, dict(dtype=torch.float16), False),
         ({}, dict(softcap=30.0), False),
@@ -254,7 +264,6 @@ def test_decode_attention_runs_a_routed_call_on_the_gluon_op(monkeypatch):
     schema, fake and dispatch) over the same stand-in."""
     import lean_tp
     from lean_tp.ops.decode_attention import launcher as lean_launcher
-    from lean_tp.ops.mla_gluon import launcher
 
     script, seen = _script(), []
     q, pool, seqlens, table = problem = script.paged_problem([0, 1, 64, 65, 700], heads=128, device="cpu", tq=2)

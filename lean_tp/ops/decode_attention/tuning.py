@@ -116,8 +116,7 @@ class DecodeConfig:
     one_sequence_max_block_g: int | None = None
     # Calls whose query rows on a KV head (Tq x heads) number at least this run on the Gluon MLA
     # kernel (``lean_tp.ops.mla_gluon``) where it takes them (``mla_gluon.gluon_takes``); None:
-    # never. No entry sets it: the kernel in its stream-K form has not run on an sm_90 GPU yet
-    # (docs/mla.md); the route's tests set it by overriding the entry.
+    # never. See _MLA_GLUON.
     gluon_rows: int | None = None
 
     def compile_options(self, paged: bool, block_g: int, invariant: bool = False) -> dict[str, int | bool]:
@@ -362,6 +361,20 @@ _MLA_COLS = "; 128-row blocks in column halves (split_v_rows): a stage fewer at 
 # (H100, docs/simulator/mla.md; unmeasured), a cost no shape can tell apart from 4k's gain
 # (lengths are values: choosing by them would sync).
 _MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1.3x at 32k (H200 measured)"
+# DP attention's 128 heads at 16 bits run on the Gluon kernel (``lean_tp.ops.mla_gluon``: 64-row
+# blocks with q and K/V in shared memory by TMA, both products on wgmma, a merge kernel of its
+# own). Measured on an H200 (docs/results/2026-11-27-nvidia-h200-5.json, DeepSeek-V3 paged64, the
+# benchmark's ``lean-gluon`` against this entry's Triton kernel): 1.72-1.95x from B=1 at 32k to
+# B=128 (B=32 32k 669 against 1276 us, B=128 32k 2721 against 4891), 0.95x at B=1 4k (38.6
+# against 36.8 us). 64 rows (Kimi-K2's 64 heads under DP) are unmeasured, so the route starts at
+# 128 rows (Tq x heads); e4m3 and fp16 stay on Triton (the kernel takes bf16 only).
+_MLA_GLUON = "; 128+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-1.95x but 0.95x at B=1 4k (H200)"
+# One long sequence at TP 8 (16 heads, one row block) is split over at most max_contributors
+# programs: 64 leave half an H100's or H200's SMs idle. Measured on an H200
+# (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128`` against
+# 64): B=1 32k 48.6 against 54.2 us (16-bit) and 58.1 against 70.8 (e4m3), B=1 4k and B=32
+# within 1%; at 128 heads within 1% everywhere. The merge tree's chain grows to 8 + 16 partials.
+_MLA_CONTRIBUTORS = "; 128 contributors an output: B=1 32k 1.11x (16-bit), 1.22x (e4m3) at TP 8 (H200 measured)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -688,7 +701,17 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         split_v_rows=128,
         split_v_fewer_stages=1,
         one_sequence_max_block_g=16,
-        reason=_MLA + _MLA_ROWS64 + _MLA_KEYS64 + _STAGES + _AHEAD + _MLA_COLS + _MLA_ONE_SEQUENCE,
+        max_contributors=2 * MAX_CONTRIBUTORS,
+        gluon_rows=128,
+        reason=_MLA
+        + _MLA_ROWS64
+        + _MLA_KEYS64
+        + _STAGES
+        + _AHEAD
+        + _MLA_COLS
+        + _MLA_ONE_SEQUENCE
+        + _MLA_GLUON
+        + _MLA_CONTRIBUTORS,
     ),
     ("sm80", 576, 1): DecodeConfig(
         tile_n=64,
@@ -720,7 +743,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
-        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD + _MLA_COLS,
+        max_contributors=2 * MAX_CONTRIBUTORS,
+        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD + _MLA_COLS + _MLA_CONTRIBUTORS,
     ),
     ("interp", 576, 2): DecodeConfig(
         tile_n=64,
@@ -832,15 +856,27 @@ TUNING_TABLE |= {
 }
 
 
-# sm_100 keeps 64-row blocks at 128 heads, one sequence's too: the column halves' wgmma schedule
-# and stages are sm_90's and measured there only (see _MLA_COLS, _MLA_ONE_SEQUENCE).
+def _drop(reason: str, *parts: str) -> str:
+    """``reason`` without the given parts of it."""
+    for part in parts:
+        reason = reason.replace(part, "")
+    return reason
+
+
+# sm_100 keeps 64-row blocks at 128 heads, one sequence's too, and 64 contributors an output: the
+# column halves' wgmma schedule and stages, the Gluon kernel (Hopper's wgmma) and the wider merge
+# are sm_90's and measured there only (see _MLA_COLS, _MLA_ONE_SEQUENCE, _MLA_GLUON,
+# _MLA_CONTRIBUTORS).
 TUNING_TABLE[("sm100", 576, 2)] = dataclasses.replace(
     TUNING_TABLE[("sm90", 576, 2)],
     max_block_g=64,
     split_v_rows=None,
     one_sequence_max_block_g=None,
-    reason=TUNING_TABLE[("sm90", 576, 2)].reason.replace(_MLA_COLS, "").replace(_MLA_ONE_SEQUENCE, "")
-    + "; sm_100: 64-row blocks at 128 heads (column halves and one sequence's rows measured on sm_90 only)",
+    max_contributors=MAX_CONTRIBUTORS,
+    gluon_rows=None,
+    reason=_drop(TUNING_TABLE[("sm90", 576, 2)].reason, _MLA_COLS, _MLA_ONE_SEQUENCE, _MLA_GLUON, _MLA_CONTRIBUTORS)
+    + "; sm_100: 64-row blocks at 128 heads, 64 contributors (column halves, one sequence's rows, the Gluon"
+    " kernel and 128 contributors measured on sm_90 only)",
 )
 
 
@@ -856,6 +892,7 @@ TUNING_TABLE[("sm100", 576, 1)] = dataclasses.replace(
     merge_slice_elems=None,
     invariant_max_block_g=None,
     split_v_rows=None,
+    max_contributors=MAX_CONTRIBUTORS,
     reason="MLA 576/512 fp8: 128-key tiles = 72 KB"
     + _MLA_ROWS
     + _FP8_BLOCKS

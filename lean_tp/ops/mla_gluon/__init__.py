@@ -4,9 +4,9 @@ schedule ``mla_gluon_schedule`` computes once a step.
 
 ``lean_tp.decode_attention`` runs a call here through the op ``lean_tp::mla_decode_gluon`` (``op``)
 where the plan routes it (``launcher.gluon_takes``): 16-bit latent caches in 64-row pages, heads
-in 64-row blocks (DP attention's 128, Kimi-K2's 64), up to 16 query tokens a sequence, and a
-tuning entry that sets ``DecodeConfig.gluon_rows``. No entry sets it until an sm_90 GPU has
-measured the kernel against the Triton one (docs/mla.md).
+in 64-row blocks, up to 16 query tokens a sequence, and a tuning entry that sets
+``DecodeConfig.gluon_rows``: sm_90's 16-bit MLA entry routes 128 rows (Tq x heads) and more,
+DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md).
 """
 
 from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule
