@@ -30,6 +30,9 @@ from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, cdiv, next_unit,
 
 # The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7.
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# A TMA load is tma.async_load from triton 3.8 (3.9 removes async_copy_global_to_shared), and
+# tma.async_copy_global_to_shared before it; the arguments are the same.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -168,8 +171,8 @@ def _segment(
     # The previous segment's blocks and q are read by both warp groups until here.
     _cta_barrier()
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, qn_smem)
-    tma.async_copy_global_to_shared(qr_desc, [q_row, DV], q_bar, qr_smem)
+    _tma_load(qn_desc, [q_row, 0], q_bar, qn_smem)
+    _tma_load(qr_desc, [q_row, DV], q_bar, qr_smem)
     for st in gl.static_range(STAGES):
         slot = (done + st) % STAGES
         row = gl.load(pages + st, mask=st < n_blocks, other=0) * BLOCK_N
@@ -210,8 +213,8 @@ def _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row,
     DV: gl.constexpr = 512
     mbarrier.expect(kn_bars.index(slot), kn_desc.block_type.nbytes, pred=pred)
     mbarrier.expect(kr_bars.index(slot), kr_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(kn_desc, [row, 0], kn_bars.index(slot), kn_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [row, DV], kr_bars.index(slot), kr_smem.index(slot), pred=pred)
+    _tma_load(kn_desc, [row, 0], kn_bars.index(slot), kn_smem.index(slot), pred=pred)
+    _tma_load(kr_desc, [row, DV], kr_bars.index(slot), kr_smem.index(slot), pred=pred)
 
 
 @gluon.jit
