@@ -60,16 +60,15 @@ def _lean(s: Inputs):
 # blocks (sm_80's) read each latent row once a 16-row block (128 heads: 8 times, not 2); 32-key
 # blocks at 16 rows (the entry's block_n, not its narrow_block_n) are the loop the first H200
 # record measured, against which 64-key blocks (644 SASS an iteration against 2 x 501: kernel
-# report) are modelled; up to 128 programs an output (64 by default) give one long sequence at
-# TP 8 every SM's loop for a longer merge chain (8 + 16 partials, not 8 + 8): the simulator puts
-# DeepSeek-V3's rank at B=1 from 35.1 to 25.9 us at 32k and from 101 to 62 us at 128k (H100),
-# where at most 64 leave half the SMs idle (the H200 measured 16 against 64 at 115 and 54 us,
-# B=1 32k); 64-row blocks at 128 heads (two row blocks of whole V rows, scores K q^T by
-# mma.sync) are what the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS).
+# report) are modelled; at most 64 programs an output for one sequence of one token (the
+# entries' 128 give one long sequence at TP 8 every SM's loop, for a merge chain of 8 + 16
+# partials: the H200 measured 48.6 against 54.2 us at B=1 32k, tuning.py, _MLA_CONTRIBUTORS);
+# 64-row blocks at 128 heads (two row blocks of whole V rows, scores K q^T by mma.sync) are what
+# the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS).
 MLA_ABLATIONS = {
     "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
     "lean-keys32": dict(narrow_block_n=None),
-    "lean-contributors128": dict(max_contributors=128),
+    "lean-contributors64": dict(one_sequence_max_contributors=None),
     "lean-rows64": dict(max_block_g=64, split_v_rows=None),
 }
 

@@ -129,6 +129,25 @@ def test_a_contributor_cap_below_two_is_refused():
     assert entry.max_contributors == B200_CONTRIBUTORS
     with pytest.raises(ValueError, match=r"DecodeConfig.max_contributors: expected an int >= 2, got 1"):
         dataclasses.replace(entry, max_contributors=1)
+    with pytest.raises(ValueError, match=r"DecodeConfig.one_sequence_max_contributors: expected an int >= 2, got 1"):
+        dataclasses.replace(entry, one_sequence_max_contributors=1)
+
+
+@pytest.mark.parametrize("arch,elem,one", [("sm90", 2, 128), ("sm90", 1, 128), ("sm100", 2, 64), ("sm100", 1, 64)])
+def test_one_mla_sequence_of_one_token_is_split_over_its_entrys_cap(arch, elem, one):
+    """The kernel's cap (``MAX_CONTRIB``) is the entry's one-sequence cap for one sequence of one
+    token (sm_90's MLA entries: 128, measured there), and max_contributors otherwise: a second
+    sequence, a draft token or the batch-invariant mode (sm_100: 64 for both, unmeasured)."""
+    from lean_tp.ops.decode_attention.plan import Features, KernelVariant
+
+    dtype, fp8 = (torch.bfloat16, None) if elem == 2 else (torch.bfloat16, torch.float8_e4m3fn)
+
+    def cap(**features) -> int:
+        f = Features(v_in_k=True, fp8=fp8, **features)
+        return KernelVariant(arch, dtype, 576, 16, 64, f, head_dim_v=512).constexprs["MAX_CONTRIB"]
+
+    assert cap(one_sequence=True) == one
+    assert cap() == cap(num_tokens=2) == cap(batch_invariant=True) == tuning.MAX_CONTRIBUTORS
 
 
 @pytest.mark.parametrize("field", ["scores_t_rows", "merge_slice_elems", "invariant_max_block_g", "narrow_block_n"])

@@ -152,7 +152,7 @@ class KernelVariant:
             "PAGED": paged,
             "PAGE_SIZE": self.page_size or 1,
             "MIN_TILES": MIN_TILES_PER_PROGRAM,
-            "MAX_CONTRIB": config.max_contributors,
+            "MAX_CONTRIB": config.contributors_for(f.one_sequence),
             "FANIN": MERGE_FANIN,
             "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
             "MERGE_COLS": merge_cols(block_g, block_d, config.merge_wave_elems, config.merge_slice_elems),

@@ -114,6 +114,10 @@ class DecodeConfig:
     # more, narrower row blocks give its few tiles more programs and merge narrower partials.
     # See _MLA_ONE_SEQUENCE.
     one_sequence_max_block_g: int | None = None
+    # max_contributors of a call of one sequence and one query token (``Features.one_sequence``),
+    # whose one output per KV head leaves SMs idle at max_contributors; None: max_contributors.
+    # See _MLA_CONTRIBUTORS.
+    one_sequence_max_contributors: int | None = None
     # Calls whose query rows on a KV head (Tq x heads) number at least this run on the Gluon MLA
     # kernel (``lean_tp.ops.mla_gluon``) where it takes them (``mla_gluon.gluon_takes``); None:
     # never. See _MLA_GLUON.
@@ -174,8 +178,15 @@ class DecodeConfig:
             raise ValueError(
                 f"DecodeConfig.head_dim_v: expected a power of two with split_v_rows, got {self.head_dim_v}"
             )
-        if self.max_contributors < 2:  # the schedule's cost rule divides by max_contributors - 1
-            raise ValueError(f"DecodeConfig.max_contributors: expected an int >= 2, got {self.max_contributors}")
+        for name in ("max_contributors", "one_sequence_max_contributors"):
+            value = getattr(self, name)
+            if value is not None and value < 2:  # the schedule's cost rule divides by value - 1
+                raise ValueError(f"DecodeConfig.{name}: expected an int >= 2, got {value}")
+
+    def contributors_for(self, one_sequence: bool) -> int:
+        """Most programs that share one output, for a call of one sequence
+        (``Features.one_sequence``) or not."""
+        return (one_sequence and self.one_sequence_max_contributors) or self.max_contributors
 
 
 # Least LeanTiles per active program. The paper shrank the grid to 2 tiles per program to bound
@@ -369,12 +380,15 @@ _MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1
 # against 36.8 us). 64 rows (Kimi-K2's 64 heads under DP) are unmeasured, so the route starts at
 # 128 rows (Tq x heads); e4m3 and fp16 stay on Triton (the kernel takes bf16 only).
 _MLA_GLUON = "; 128+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-1.95x but 0.95x at B=1 4k (H200)"
-# One long sequence at TP 8 (16 heads, one row block) is split over at most max_contributors
-# programs: 64 leave half an H100's or H200's SMs idle. Measured on an H200
-# (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128`` against
-# 64): B=1 32k 48.6 against 54.2 us (16-bit) and 58.1 against 70.8 (e4m3), B=1 4k and B=32
-# within 1%; at 128 heads within 1% everywhere. The merge tree's chain grows to 8 + 16 partials.
-_MLA_CONTRIBUTORS = "; 128 contributors an output: B=1 32k 1.11x (16-bit), 1.22x (e4m3) at TP 8 (H200 measured)"
+# One long sequence of one token at TP 8 (16 heads, one row block) is split over at most
+# max_contributors programs: 64 leave half an H100's or H200's SMs idle. Measured on an H200
+# (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128``, 128 for
+# every call, against 64): B=1 32k 48.6 against 54.2 us (16-bit) and 58.1 against 70.8 (e4m3),
+# B=1 4k and B=32 within 1%; at 128 heads within 1% everywhere. Only such a call takes 128
+# (one_sequence_max_contributors): MTP's Tq 2 merges 32-row partials, and the simulator puts
+# 128 there at 0.87x of 64 at 32k (docs/simulator/mla.md; unmeasured). The merge tree's chain
+# grows to 8 + 16 partials.
+_MLA_CONTRIBUTORS = "; one sequence of one token: 128 contributors, B=1 32k 1.11x (16-bit), 1.22x (e4m3) (H200)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -701,7 +715,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         split_v_rows=128,
         split_v_fewer_stages=1,
         one_sequence_max_block_g=16,
-        max_contributors=2 * MAX_CONTRIBUTORS,
+        one_sequence_max_contributors=2 * MAX_CONTRIBUTORS,
         gluon_rows=128,
         reason=_MLA
         + _MLA_ROWS64
@@ -743,7 +757,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
-        max_contributors=2 * MAX_CONTRIBUTORS,
+        one_sequence_max_contributors=2 * MAX_CONTRIBUTORS,
         reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD + _MLA_COLS + _MLA_CONTRIBUTORS,
     ),
     ("interp", 576, 2): DecodeConfig(
@@ -872,11 +886,11 @@ TUNING_TABLE[("sm100", 576, 2)] = dataclasses.replace(
     max_block_g=64,
     split_v_rows=None,
     one_sequence_max_block_g=None,
-    max_contributors=MAX_CONTRIBUTORS,
+    one_sequence_max_contributors=None,
     gluon_rows=None,
     reason=_drop(TUNING_TABLE[("sm90", 576, 2)].reason, _MLA_COLS, _MLA_ONE_SEQUENCE, _MLA_GLUON, _MLA_CONTRIBUTORS)
-    + "; sm_100: 64-row blocks at 128 heads, 64 contributors (column halves, one sequence's rows, the Gluon"
-    " kernel and 128 contributors measured on sm_90 only)",
+    + "; sm_100: 64-row blocks at 128 heads, 64 contributors (column halves, one sequence's rows and"
+    " contributors, and the Gluon kernel measured on sm_90 only)",
 )
 
 
@@ -892,7 +906,7 @@ TUNING_TABLE[("sm100", 576, 1)] = dataclasses.replace(
     merge_slice_elems=None,
     invariant_max_block_g=None,
     split_v_rows=None,
-    max_contributors=MAX_CONTRIBUTORS,
+    one_sequence_max_contributors=None,
     reason="MLA 576/512 fp8: 128-key tiles = 72 KB"
     + _MLA_ROWS
     + _FP8_BLOCKS

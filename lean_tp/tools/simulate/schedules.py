@@ -219,7 +219,7 @@ def lean_sim_schedule(
         tile,
         gpu.sms * per_sm,
         num_sms=gpu.sms,
-        max_contributors=max_contributors or config.max_contributors,
+        max_contributors=max_contributors or cx["MAX_CONTRIB"],
         lanes=cx["LANES"],
     )
     sms = gpu.sms
