@@ -105,12 +105,24 @@ def combine(
     from the main kernel's part_out (programs, 2, 64, 512) and part_lse (programs, 2, 64);
     head_units counts all of a sequence's Tq tokens."""
     num_programs, outputs = ranges.shape[0], out.shape[0] // ROWS
-    cols, chunk, warps = COMBINE_FORMS[num_programs >= COMBINE_MANY * outputs]
+    cols, chunk, warps = combine_form(num_programs, outputs)
     mla_combine_kernel[(outputs, DV // cols)](
         ranges, cache_seqlens, part_out, part_lse, out, lse, num_programs,
         HU=head_units, ROWS=ROWS, DV=DV, COLS=cols, CHUNK=chunk, BLOCK_P=triton.next_power_of_2(num_programs),
         num_warps=warps,
     )  # fmt: skip
+
+
+def combine_form(num_programs: int, outputs: int) -> tuple[int, int, int]:
+    """The merge's (columns a program folds, partials it loads a step, warps) for a launch of
+    ``num_programs`` programs over ``outputs`` row blocks (``COMBINE_FORMS``)."""
+    return COMBINE_FORMS[num_programs >= COMBINE_MANY * outputs]
+
+
+def gluon_grid(sms: int, head_units: int) -> int:
+    """Programs of a launch on ``sms`` SMs: one 225 KB program an SM, as many in every lane (each
+    head unit's tiles are a lane's)."""
+    return max(sms // head_units, 1) * head_units
 
 
 def mla_gluon_schedule(
@@ -129,8 +141,9 @@ def mla_gluon_schedule(
 
 def _schedule(seqlens: torch.Tensor, block_table: torch.Tensor, head_units: int, num_programs: int | None):
     """``mla_gluon_schedule`` of lengths already clamped to the block table's capacity."""
-    num_programs = num_programs or torch.cuda.get_device_properties(seqlens.device).multi_processor_count
-    num_programs = max(num_programs // head_units, 1) * head_units  # as many programs in every lane
+    num_programs = gluon_grid(
+        num_programs or torch.cuda.get_device_properties(seqlens.device).multi_processor_count, head_units
+    )
     check_tile_count(seqlens.shape[0], head_units, block_table.shape[1] * BLOCK_N, BLOCK_N)
     return program_ranges(seqlens, head_units, num_programs)
 

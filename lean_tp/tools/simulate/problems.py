@@ -9,8 +9,9 @@ import torch
 
 from lean_tp.ops.decode_attention.tuning import config_for
 
-ELEM_DTYPES = {2: torch.float16, 4: torch.float32}
-# An fp8 cache (element size 1) is read by a 16-bit q.
+# A 16-bit cache is bf16, as served models keep it: fp16 plans the same kernels but for the Gluon
+# MLA route, which takes bf16. An fp8 cache (element size 1) is read by a 16-bit q.
+ELEM_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 FP8_CACHE = torch.float8_e4m3fn
 
 

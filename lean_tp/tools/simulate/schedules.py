@@ -7,7 +7,8 @@
   dispatch), and a split output costs a combine kernel.
 - **flex**: FlexAttention's decode rule, ``max(SMs // (B * Hkv) * 2, 1)`` splits of the capacity,
   then its combine kernel.
-- MLA problems (``Problem.latent``) run against MLA's own kernels (``mla.py``).
+- MLA problems (``Problem.latent``) run against MLA's own kernels (``mla.py``); a call a tuning
+  entry routes to lean's Gluon MLA kernel is modelled as that kernel (``gluon.py``).
 
 Time model (``tools.gpus.GPUS`` holds every constant with its source): an SM streams K/V at
 ``min(L2 port, bytes in flight / HBM latency)``, all SMs together at most the measured copy
@@ -18,7 +19,8 @@ second kernel costs a launch gap. Every method gets the same memory model, so th
 isolates schedules and merges. One exception is measured: where a lean entry's K/V-loop
 iteration time is known (``gpus.LOOP_US``: sm_90's MLA entries on an H200), a lean program
 streams at most one block an iteration, which is slower than its bytes; the peers keep the
-memory model, so there the comparison also holds lean's loop against peers assumed memory-bound.
+memory model, so there the comparison also holds lean's loop against peers assumed memory-bound
+(the Gluon kernel's loop is measured too: ``gluon.GLUON_LOOP_US``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def _stream_rates(
     from_hbm: float = 1.0,
     loop: float | None = None,
     variant: KernelVariant | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing in
@@ -150,10 +153,14 @@ def _stream_rates(
     this model, with the blocks and stages of ``variant`` (lean's that runs), else of lean's
     default variant; ``loop`` (µs an iteration of such a block, ``gpus.LOOP_US``) caps each
     program at a block an iteration where the kernel's loop is measured to be slower than its
-    bytes."""
-    variant = variant or lean_variant(problem, gpu)
-    block = variant.constexprs["BLOCK_N"] * problem.bytes_per_token
-    in_flight = max(1, variant.config.num_stages - 1) * block
+    bytes. ``blocks``: (a block's bytes, bytes in flight) of a kernel that is not a variant (the
+    Gluon MLA kernel's: ``gluon.py``)."""
+    if blocks:
+        block, in_flight = blocks
+    else:
+        variant = variant or lean_variant(problem, gpu)
+        block = variant.constexprs["BLOCK_N"] * problem.bytes_per_token
+        in_flight = max(1, variant.config.num_stages - 1) * block
     per_program = min(in_flight / gpu.hbm_latency_us, block / loop if loop else float("inf"))
     want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * per_program) for n in n_on_sm]
     device = min(gpu.l2_read_tbps, gpu.hbm_tbps / from_hbm) * 1e6
@@ -206,8 +213,13 @@ def lean_sim_schedule(
 ) -> Schedule:
     """The kernel's stream-K schedule and merge tree on ``gpu``, in modelled time (with
     ``batch_invariant``, the same schedule and the invariant mode's merges: ``_invariant_merges``;
-    ``max_contributors``, a trial: the schedule's cap instead of the tuning entry's)."""
+    ``max_contributors``, a trial: the schedule's cap instead of the tuning entry's). A call the
+    entry routes to the Gluon MLA kernel is modelled as that kernel (``gluon.py``)."""
+    from lean_tp.tools.simulate.gluon import gluon_sim_schedule, routes_to_gluon
+
     variant = lean_variant(problem, gpu, batch_invariant)
+    if max_contributors is None and routes_to_gluon(problem, variant):
+        return gluon_sim_schedule(problem, gpu)
     config, cx = variant.config, variant.constexprs
     per_sm = programs_per_sm or config.max_programs_per_sm
     head_units, tile = problem.n_kv_heads * cx["NUM_GC"], config.tile_n
