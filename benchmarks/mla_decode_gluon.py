@@ -1,15 +1,15 @@
 """The Gluon MLA kernel (``lean_tp.ops.mla_gluon``) on sm_90: its compiled statistics on any
-machine, and on an sm_90 GPU its result against float64 and its time beside
-``lean_tp.decode_attention`` on DP attention's shape (128 heads a sequence on 64-row pages).
+machine, and on an sm_90 GPU its result against float64 and its time beside lean's Triton kernel
+(``decode_attention_fwd``, which ``lean_tp.decode_attention`` runs where the entry does not route
+to this one) on DP attention's shapes, 64-row pages.
 
-Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 495
-SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's 670 SASS a 32-key iteration and
-13120 bytes a key (kernel report).
+Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 497
+SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's
+670 SASS a 32-key iteration and 13120 bytes a key (kernel report).
 
-Measured on an H200 (docs/results/2026-11-27-nvidia-h200.json, triton 3.6), as a loop of one
-program a row block before the schedule, pages and ragged lengths (524 SASS an iteration, every
-block masked): exact against float64, 1303 us for 66 sequences of 128 heads and 32k keys against
-lean_tp.decode_attention's 2685 on the same problem, 2.54 us a 64-key iteration."""
+Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact
+against float64, 1328 us for 66 sequences of 128 heads and 32k keys against the Triton kernel's
+2549, 2.59 us a 64-key iteration of an SM (docs/mla.md)."""
 
 from __future__ import annotations
 
@@ -119,36 +119,37 @@ def stats_line(stats: dict) -> str:
 
 
 def run_on_gpu(n_keys: int) -> list[str]:
-    """Exactness against float64, then the kernel's time beside lean's on DP attention's shape, 128
-    heads a sequence on 64-row pages, ``n_keys`` keys each: a sequence per 2 SMs, and the
-    benchmark's B=32, whose outputs the schedule splits over the SMs."""
+    """Exactness against float64, then the kernel's time beside lean's Triton kernel, ``n_keys``
+    keys a sequence: DeepSeek-V3's 128 heads on a sequence per 2 SMs and at the benchmark's B=32,
+    and Kimi-K2's 64 heads at B=32 (whose one-token calls the entry keeps on Triton until this
+    line says otherwise)."""
     from bench_decode import Timer
 
-    import lean_tp
+    from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 
     def median_us(fn) -> float:
         return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = []
-    for sequences in (sms // 2, 32):
-        problem = paged_problem([n_keys] * sequences)
+    for sequences, heads in ((sms // 2, 128), (32, 128), (32, 64)):
+        problem = paged_problem([n_keys] * sequences, heads=heads)
         out, lse = mla_decode_gluon(*problem)
         q, pool, seqlens, table = problem
         ref_out, ref_lse = reference(q[:2], pool, seqlens[:2], table[:2])
         nonfinite = int((~out.isfinite()).sum()) + int((~lse.isfinite()).sum())  # every length > 0
         out_err = (out[:2].double() - ref_out).abs().max().item()  # 2 sequences: float64's cost
         lse_err = (lse[:2].double() - ref_lse).abs().max().item()
-        step = mla_gluon_schedule(seqlens, table, q.shape[-2])  # once a step, as FlashMLA's metadata
+        step = mla_gluon_schedule(seqlens, table, heads)  # once a step, as FlashMLA's metadata
         gluon_us = median_us(lambda: mla_decode_gluon(*problem, schedule=step))
-        lean_args = lean_inputs(*problem)
-        lean_us = median_us(lambda: lean_tp.decode_attention(**lean_args))
-        iterations = sequences * 2 * -(-n_keys // BLOCK_N) / sms
+        lean_args = dict(lean_inputs(*problem), softmax_scale=(DV + DR) ** -0.5)
+        triton_us = median_us(lambda: decode_attention_fwd(**lean_args)[0])
+        iterations = sequences * heads // 64 * -(-n_keys // BLOCK_N) / sms
         lines.append(
-            f"{sequences} sequences x 128 heads x {n_keys} keys, 64-row pages: {nonfinite} values not finite, max "
-            f"|out - float64| {out_err:.2e}, |lse - float64| {lse_err:.2e}; gluon {gluon_us:.1f} us "
-            f"({gluon_us / iterations:.2f} us a {BLOCK_N}-key iteration of an SM), lean.decode_attention "
-            f"{lean_us:.1f} us"
+            f"{sequences} sequences x {heads} heads x {n_keys} keys, 64-row pages: {nonfinite} values not finite, "
+            f"max |out - float64| {out_err:.2e}, |lse - float64| {lse_err:.2e}; gluon {gluon_us:.1f} us "
+            f"({gluon_us / iterations:.2f} us a {BLOCK_N}-key iteration of an SM), lean's Triton kernel "
+            f"{triton_us:.1f} us"
         )
     return lines
 

@@ -20,6 +20,7 @@ from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 from lean_tp.ops.mla_gluon import launcher
 from lean_tp.ops.mla_gluon.launcher import (
     BLOCK_N,
+    DR,
     DV,
     ROWS,
     check_schedule,
@@ -150,17 +151,17 @@ def test_partials_written_as_the_kernel_walks_merge_into_float64(heads, tq, num_
 
 
 def test_lean_is_timed_on_the_gluon_kernels_problem():
-    """The script times ``lean_tp.decode_attention`` on ``lean_inputs``: the same rows, pages,
-    lengths and scale as the Gluon kernel, so lean's output matches the kernel's float64 reference
-    (torch backend: the argument checks are the kernel's; the numbers are the problem's). The pool's
-    rows no sequence holds are NaN, as ``paged_problem`` builds it for the GPU test."""
-    import lean_tp
+    """The script times lean's Triton kernel (``decode_attention_fwd``, interpreted here) on
+    ``lean_inputs``: the same rows, pages, lengths and scale as the Gluon kernel, so its output
+    matches the kernel's float64 reference. The pool's rows no sequence holds are NaN, as
+    ``paged_problem`` builds it for the GPU test."""
+    from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 
     script = _script()
-    problem = script.paged_problem([0, 37, 64, 130], device="cpu")
+    problem = script.paged_problem([0, 37, 64, 130], heads=64, device="cpu")
     assert problem[1].isnan().any()  # the rest of a last page, and the page past every table's end
     ref_out, ref_lse = script.reference(*problem)
-    out, lse = lean_tp.decode_attention(**script.lean_inputs(*problem), return_lse=True, backend="torch")
+    out, lse = decode_attention_fwd(**script.lean_inputs(*problem), softmax_scale=(DV + DR) ** -0.5)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
 
