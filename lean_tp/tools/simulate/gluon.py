@@ -25,9 +25,9 @@ from lean_tp.ops.decode_attention.plan import DecodePlan
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS
 from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, combine_form, gluon_grid, gluon_takes
 from lean_tp.tools.gpus import GPUModel
-from lean_tp.tools.simulate.l2 import chunk_reads, hbm_share
+from lean_tp.tools.simulate.l2 import hbm_share
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _shared_clock, _stream_rates
+from lean_tp.tools.simulate.schedules import Schedule, _shared_clock, _stream_rates, lean_reads, segment_bytes
 
 # Measured time of one 64-key iteration of a 64-row head unit, one program an SM: an H200 ran
 # DeepSeek-V3's 128 heads (two units a token), bf16, 32k keys, in 668.6 us at B=32 and 2721 us at
@@ -64,10 +64,7 @@ def gluon_sim_schedule(problem: Problem, gpu: GPUModel) -> Schedule:
     lens, bpt = list(problem.lens), problem.bytes_per_token
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
     programs = lean_schedule(seqlens, units, BLOCK_N, num_programs, max_contributors=MAX_CONTRIBUTORS, lanes=units)
-    seg_bytes = [
-        [(min(lens[s.b], (s.first_tile + s.n_tiles) * BLOCK_N) - s.first_tile * BLOCK_N) * bpt for s in segments]
-        for segments in programs
-    ]
+    seg_bytes = segment_bytes(programs, lens, BLOCK_N, bpt)
     n_on_sm = [int(sm < len(programs)) for sm in range(gpu.sms)]
     block = BLOCK_N * bpt
     blocks, loop = (block, GLUON_BLOCKS_IN_FLIGHT * block), GLUON_LOOP_US.get(gpu.arch)
@@ -77,15 +74,7 @@ def gluon_sim_schedule(problem: Problem, gpu: GPUModel) -> Schedule:
         return [_shared_clock([sum(seg_bytes[p])], rates[p] or 1.0) for p in range(len(programs))]
 
     clocks = clocks_at(1.0)
-    reads = []
-    for p, segments in enumerate(programs):
-        done = 0
-        for s, nbytes in zip(segments, seg_bytes[p]):
-            at = lambda keys, done=done, clock=clocks[p]: clock(done + keys * bpt)  # noqa: E731
-            k0 = s.first_tile * BLOCK_N
-            reads += chunk_reads(s.b, 0, lens[s.b], k0, k0 + nbytes // bpt, bpt, at)
-            done += nbytes
-    from_hbm = hbm_share(reads, gpu)
+    from_hbm = hbm_share(lean_reads(problem, programs, seg_bytes, clocks, gpu.sms, BLOCK_N, units), gpu)
     if from_hbm < 1.0:
         clocks = clocks_at(from_hbm)
     kv_end = max((gpu.hbm_latency_us + clocks[p](sum(b)) for p, b in enumerate(seg_bytes)), default=0.0)

@@ -238,10 +238,7 @@ def lean_sim_schedule(
     n_on_sm = [len(range(sm, len(programs), sms)) for sm in range(sms)]
     bytes_per_token = problem.bytes_per_token
     work, clock, bars, seg_end = [0] * sms, [0] * sms, [], {}
-    seg_bytes = [
-        [(min(lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token for s in segments]
-        for segments in programs
-    ]
+    seg_bytes = segment_bytes(programs, lens, tile, bytes_per_token)
 
     loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], cx["BLOCK_N"])
 
@@ -253,7 +250,8 @@ def lean_sim_schedule(
         ]
 
     clocks = clocks_at(1.0)
-    from_hbm = hbm_share(_lean_reads(problem, variant, programs, seg_bytes, clocks, sms), gpu)
+    reads = lean_reads(problem, programs, seg_bytes, clocks, sms, tile, cx["NUM_GC"], variant.seq_tokens)
+    from_hbm = hbm_share(reads, gpu)
     if from_hbm < 1.0:  # rows re-read while in L2: the device streams them faster
         clocks = clocks_at(from_hbm)
     for p, segments in enumerate(programs):
@@ -289,16 +287,28 @@ def lean_sim_schedule(
     )
 
 
-def _lean_reads(problem: Problem, variant: KernelVariant, programs, seg_bytes, clocks, sms: int) -> list[Read]:
+def segment_bytes(programs: list, lens: list[int], tile: int, bytes_per_token: int) -> list[list[int]]:
+    """K/V bytes of each program's segments: its tiles of ``tile`` keys, the last cut at its
+    schedule sequence's length (``lens``)."""
+    return [
+        [(min(lens[s.b], (s.first_tile + s.n_tiles) * tile) - s.first_tile * tile) * bytes_per_token for s in segments]
+        for segments in programs
+    ]
+
+
+def lean_reads(
+    problem: Problem, programs, seg_bytes, clocks, sms: int, tile: int, units: int, seq_tokens: int = 1
+) -> list[Read]:
     """Every program's K/V reads, chunk by chunk (``l2.chunk_reads``), stamped with the time its SM's
-    clock reaches them. A schedule sequence is a request's, or one of its query tokens' (its keys a
-    prefix of the request's) where the variant schedules tokens apart (``KernelVariant.seq_tokens``)."""
-    tile, units, bpt = variant.config.tile_n, variant.constexprs["NUM_GC"], problem.bytes_per_token
+    clock reaches them: tiles of ``tile`` keys, ``units`` head units a KV head. A schedule sequence
+    is a request's, or one of its query tokens' (its keys a prefix of the request's) where the
+    kernel schedules tokens apart (``seq_tokens``: ``KernelVariant.seq_tokens``)."""
+    bpt = problem.bytes_per_token
     reads = []
     for p, segments in enumerate(programs):
         done, clock = 0, clocks[p % sms]
         for s, nbytes in zip(segments, seg_bytes[p]):
-            request, k0 = s.b // variant.seq_tokens, s.first_tile * tile
+            request, k0 = s.b // seq_tokens, s.first_tile * tile
             at = lambda keys, done=done: clock(done + keys * bpt)  # noqa: E731
             reads += chunk_reads(request, s.head_unit // units, problem.lens[request], k0, k0 + nbytes // bpt, bpt, at)
             done += nbytes
