@@ -20,11 +20,11 @@ BLOCK_N, STAGES = 64, 2
 # The merge's form, (columns a program folds, partials it loads a step, warps), by whether an
 # output has many contributors when lengths are even (programs / outputs: shapes only, no sync).
 # Many (one sequence on every SM: 66 an output): 32 programs an output, each waiting on memory 5
-# times rather than 66 (a (16, 64, 16) fp32 step is 64 registers a thread at 8 warps); the H200
+# times rather than 66 (compiled for sm_90: 121 registers, no local memory, 16-byte loads); the H200
 # took B=1 at 128 heads from 88 to 38.6 us at 4k and from 110 to 60.3 at 32k. Few (B=32 at 128
-# heads: 2 or 3 an output): 4 programs of 4 warps an output, so that a batch's merge stays a few
-# waves of programs (the many form, as 32 programs of 8 warps for every one of the 132 main-kernel
-# programs, cost the H200 80 us more at B=32, 4k).
+# heads: 2 or 3 an output): 4 programs of 4 warps an output (160 registers, no local memory), so
+# that a batch's merge stays a few waves of programs (the many form, as 32 programs of 8 warps for
+# every one of the 132 main-kernel programs, cost the H200 80 us more at B=32, 4k).
 COMBINE_MANY = 8
 COMBINE_FORMS = {True: (16, 16, 8), False: (128, 1, 4)}
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them

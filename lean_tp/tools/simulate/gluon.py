@@ -23,7 +23,7 @@ from lean_tp.ops.decode_attention import KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.plan import DecodePlan
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS
-from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, combine_form, gluon_grid, gluon_takes
+from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, STAGES, combine_form, gluon_grid, gluon_takes
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.l2 import hbm_share
 from lean_tp.tools.simulate.problems import Problem
@@ -34,8 +34,8 @@ from lean_tp.tools.simulate.schedules import Schedule, _shared_clock, _stream_ra
 # B=128 (docs/results/2026-11-27-nvidia-h200-5.json): 32 x 512 x 2 and 128 x 512 x 2 iterations
 # over 132 SMs, 2.69 and 2.74 us each. The H100 shares the H200's SM and clocks (gpus.LOOP_US).
 GLUON_LOOP_US = {"sm90": 2.7}
-# K/V blocks in flight while one computes: two TMA buffers (``launcher.STAGES``).
-GLUON_BLOCKS_IN_FLIGHT = 1
+# K/V blocks in flight while one computes: the kernel's TMA buffers but the one it reads.
+GLUON_BLOCKS_IN_FLIGHT = STAGES - 1
 
 
 def gluon_plan(problem: Problem, variant: KernelVariant) -> DecodePlan:
