@@ -165,6 +165,7 @@ class DecodeConfig:
             "scores_t_rows",
             "merge_slice_elems",
             "split_v_rows",
+            "gluon_rows",
         ):
             value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
