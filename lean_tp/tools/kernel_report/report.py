@@ -317,8 +317,8 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     and each other kind of job (a feature or variant: the job without its arch and head dim) on one
     head dim, rotating over the head dims from kind to kind, for both archs where the arch changes
     the code it compiles (fp8: sm_80 converts e4m3 bytes by hand; MLA's 128 heads: 64- or 32-row
-    blocks) and for one arch, alternating, where it does not; a batch-invariant variant on its
-    default-mode kernel's head dims and archs."""
+    blocks) and for one arch, alternating, where it does not; a batch-invariant variant beside its
+    default-mode kernel, on D=256 (``_pick``)."""
     fp32_seen, base, kinds = 0, [], {}
     for job in jobs:
         # MLA's kernels take about 3x a D=128 kernel's compile: the sample keeps their 16-bit rows on
@@ -344,8 +344,18 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
         for arch in REPORT_ARCHS if by_arch else (REPORT_ARCHS[i % 2],):
             of_arch = [j for j in same_kind if j[0] == arch]
             if of_arch:
-                sample.append(of_arch[i % len(of_arch)])
+                sample.append(_pick(kind[-1], of_arch, i))
     return base + sample
+
+
+def _pick(features: str, of_arch: list[tuple], i: int) -> tuple:
+    """``sample_jobs``' job of a kind on one arch: the i-th head dim, rotating; a batch-invariant
+    variant and its default-mode kernel on the widest head dim below MLA's (256), where the
+    variant compiles in 14-21 s on 2 cores against 27-60 s at 64 and 128 (Triton's coalescing pass
+    over the folds' unrolled waves: ``ARCH_SAMPLE_INVARIANT``)."""
+    if features in INVARIANT_BASE or features and features in INVARIANT_BASE.values():
+        return max((j for j in of_arch if not paired_head_dim_v(j[1])), key=lambda j: j[1])
+    return of_arch[i % len(of_arch)]
 
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
