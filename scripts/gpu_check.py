@@ -125,6 +125,9 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
         steps.append(("mla decode gluon tests", gluon_test, 180))
         steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
+        # FlashMLA's seesaw schedule as a probe, not yet run on a GPU: a hang of its barriers costs
+        # this step's timeout, not the steps after it.
+        steps.append(("mla decode seesaw", [py, "benchmarks/mla_decode_seesaw.py"], 60))
         steps.append(("bench_decode --quick", [py, "benchmarks/bench_decode.py", "--quick", "--out", out], 360))
     if "profile" in groups:
         # The MLA loop's stall reasons by SASS line (docs/gpu.md): one launch under Nsight Compute,
@@ -188,10 +191,11 @@ def loop_results(out: str) -> dict[str, str]:
         if os.path.exists(log):
             lines = [line.strip() for line in open(log) if "tokens/s" in line]
             found[f"transformers generate llama-3-8b {attention}"] = " | ".join(lines) or "no result"
-    log = os.path.join(out, "mla decode gluon.log")
-    if os.path.exists(log):
-        lines = [line.strip() for line in open(log) if line.startswith(("sm_90:", "no sm_90")) or "float64" in line]
-        found["mla decode gluon"] = " | ".join(lines) or "no result"
+    for step in ("mla decode gluon", "mla decode seesaw"):
+        log = os.path.join(out, f"{step}.log")
+        if os.path.exists(log):
+            lines = [line.strip() for line in open(log) if line.startswith(("sm_90:", "no sm_90")) or "float64" in line]
+            found[step] = " | ".join(lines) or "no result"
     return found
 
 

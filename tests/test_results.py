@@ -115,6 +115,7 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     (tmp_path / "mla decode gluon.log").write_text(
         "noise\nsm_90: 193 registers\nno sm_90 GPU: compiled statistics only\n"
     )
+    (tmp_path / "mla decode seesaw.log").write_text("noise\nragged lengths: max |out - float64| 4.0e-03\n")
     steps = [dict(name="pytest tests/gpu", status="PASS", seconds=61.0)]
     path = gpu_check.write_record(str(tmp_path), {}, steps, {"flashinfer": "not installed"})
     record = results.validate(json.loads(Path(path).read_text()))
@@ -123,6 +124,7 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     assert record["loops"] == {
         "decode_tp llama-3-8b eager lean": "decode: 12.3 ms/step",
         "mla decode gluon": "sm_90: 193 registers | no sm_90 GPU: compiled statistics only",
+        "mla decode seesaw": "ragged lengths: max |out - float64| 4.0e-03",
     }
     assert "| pytest tests/gpu | PASS | 61 |" in results.table(record)
 
@@ -130,13 +132,13 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
 def test_planned_steps_run_in_order_of_value():
     names = [name for name, _, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")]
     assert names[0] == "pytest tests/gpu"
-    assert names[1:4] == ["mla decode gluon tests", "mla decode gluon", "bench_decode --quick"]
+    assert names[1:5] == ["mla decode gluon tests", "mla decode gluon", "mla decode seesaw", "bench_decode --quick"]
     commands = {name: cmd for name, cmd, _ in gpu_check.planned_steps(list(gpu_check.GROUPS), "python", "out")}
     assert gpu_check.GLUON_TEST in commands["mla decode gluon tests"]  # once: the tests step leaves it out
     assert commands["pytest tests/gpu"][-2:] == ["--ignore", gpu_check.GLUON_TEST]
     alone = gpu_check.planned_steps(["tests"], "python", "out")[0][1]
     assert "--ignore" not in alone
-    assert names[4:6] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
+    assert names[5:7] == ["ncu mla dp128", "ncu mla dp128 sass"]  # the MLA loop's stall reasons
     assert [n for n, _, _ in gpu_check.planned_steps(["sanitizer"], "python", "out")] == [
         f"compute-sanitizer {t}" for t in ("memcheck", "racecheck", "synccheck")
     ]
