@@ -19,11 +19,13 @@ group:
   1's P0.V; buffer 1's right half after group 1's P1.V, its left half after group 0's P1.V. The
   scores of a block multiply the half that was reloaded first first.
 
-Compiled for sm_90 (triton 3.6 and 3.7.1; 3.9 spills twice as much): 256 registers a thread in
-both groups (setmaxnreg), 231716 bytes of shared memory, HGMMA 64x64 (scores) and 64x256 (P.V,
-P from registers or shared memory). Group 0's partition has 2 local accesses; group 1's, the
-worker partition, about 110, in its loop: whichever group runs as the worker spills more (98
-against 46 with the roles swapped), and a third, one-warp partition issuing the copies left the
+Compiled for sm_90: 256 registers a thread in both groups (setmaxnreg), 231716 bytes of shared
+memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory); 74 local
+accesses on triton 3.7.1 (77 on 3.6, 236 on 3.9), 68 of them in group 1's, the worker partition's,
+code. The worker spills more whichever group it runs (98 against 46 with the roles swapped, the
+pairs' branch in the loop); a pair's odd block behind a branch inside the loop had it at 110 (the
+other buffer's operand addresses hoisted and spilled), so the pairs with both blocks run in the
+loop and a last even block after it; and a third, one-warp partition issuing the copies left the
 groups 240 registers and spilled 250. Not yet run on a GPU. ``--json``: the compiled statistics;
 on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel on one
 head unit an SM.
@@ -127,59 +129,20 @@ def _zero_rows_from(tile, first):
 @gluon.jit
 def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     """Warp group 0: even blocks' scores, output columns [0, 256), the row max's owner at a pair's
-    start, the lse; it reloads buffer 0's left half (only it reads that) after its P0.V, and
-    buffer 1's left half after its P1.V (group 1's scores of that block are done: P1 was ready).
-    bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l ready."""
+    start, the lse. bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l
+    ready. The pairs with both blocks run in the loop, a last even block alone after it (the
+    branch inside the loop made ptxas hoist and spill the other group's operand addresses)."""
     qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
-    s_layout: gl.constexpr = S_LAYOUT
-    o_layout: gl.constexpr = O_LAYOUT
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     q_rope = _rope_of_q(qr_smem, bars)
     mbarrier.arrive(bars.index(1))  # qr_smem may now hold group 1's P
     m = gl.full([64], float("-inf"), gl.float32, row_s)
     l = gl.zeros([64], gl.float32, row_s)
-    o = gl.zeros([64, HALF], gl.float32, o_layout)
-    for i in range((n_blocks + 1) // 2):
-        ph = i & 1
-        has_odd = 2 * i + 1 < n_blocks
-        valid = gl.minimum(n - 2 * i * BLOCK_N, BLOCK_N)
-        s = _scores(
-            qn_smem, q_rope, kn_smem.index(0), kr_smem.index(0), full, 0, ph, scale_log2, valid, False, s_layout
-        )
-        m0 = gl.maximum(m, gl.max(s, axis=1))
-        scale0 = gl.exp2(m - m0)
-        exch.slice(0 * 64, 64).store(m0)
-        exch.slice(1 * 64, 64).store(scale0)
-        _partition_barrier()
-        mbarrier.arrive(bars.index(2))
-        p = gl.exp2(s - gl.expand_dims(m0, 1))
-        l = l * scale0 + gl.sum(p, axis=1)
-        if valid < BLOCK_N:
-            _zero_rows_from(kn_smem.index(0), valid)
-        o = o * gl.expand_dims(gl.convert_layout(scale0, row_o), 1)
-        p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-        o = warpgroup_mma(p_a, kn_smem.index(0).slice(0, HALF, dim=1), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _partition_barrier()
-        _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, False)
-        mbarrier.wait(bars.index(3), ph)
-        m = exch.slice(2 * 64, 64).load(row_s)
-        scale1 = exch.slice(3 * 64, 64).load(row_s)
-        # P0 at group 1's max; group 1 read the last pair's P0 before it reloaded buffer 0's right
-        # half, which this group's scores waited for.
-        sp0.store((p * gl.expand_dims(scale1, 1)).to(gl.bfloat16))
-        fence_async_shared()
-        _partition_barrier()
-        mbarrier.arrive(bars.index(4))
-        o = o * gl.expand_dims(gl.convert_layout(scale1, row_o), 1)
-        l = l * scale1
-        if has_odd:
-            mbarrier.wait(bars.index(5), ph)
-            o = warpgroup_mma(qr_smem, kn_smem.index(1).slice(0, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _partition_barrier()
-            _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, False)
+    o = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
+    for i in range(n_blocks // 2):
+        m, l, o = _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, True)
+    if n_blocks % 2 == 1:
+        m, l, o = _pair0(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, m, l, o, False)
     mbarrier.wait(bars.index(6), 0)
     l = l + exch.slice(1 * 64, 64).load(row_s)
     exch.slice(0 * 64, 64).store(l)
@@ -187,6 +150,53 @@ def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     mbarrier.arrive(bars.index(7))
     _store_half(out_ptr, row0, 0, o, l)
     gl.store(lse_ptr + row0 + gl.arange(0, 64, layout=row_s), (m + gl.log2(l)) * 0.6931471805599453)
+
+
+@gluon.jit
+def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.constexpr):
+    """Group 0's part of pair i: block 2i's scores and P0.V, then block 2i + 1's P1.V where the
+    pair has it. It reloads buffer 0's left half (only it reads that) after its P0.V, and buffer
+    1's left half after its P1.V (group 1's scores of that block are done: P1 was ready)."""
+    qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    ph = i & 1
+    valid = gl.minimum(n - 2 * i * BLOCK_N, BLOCK_N)
+    s = _scores(qn_smem, q_rope, kn_smem.index(0), kr_smem.index(0), full, 0, ph, scale_log2, valid, False, S_LAYOUT)
+    m0 = gl.maximum(m, gl.max(s, axis=1))
+    scale0 = gl.exp2(m - m0)
+    exch.slice(0 * 64, 64).store(m0)
+    exch.slice(1 * 64, 64).store(scale0)
+    _partition_barrier()
+    mbarrier.arrive(bars.index(2))
+    p = gl.exp2(s - gl.expand_dims(m0, 1))
+    l = l * scale0 + gl.sum(p, axis=1)
+    if valid < BLOCK_N:
+        _zero_rows_from(kn_smem.index(0), valid)
+    o = o * gl.expand_dims(gl.convert_layout(scale0, row_o), 1)
+    p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    o = warpgroup_mma(p_a, kn_smem.index(0).slice(0, HALF, dim=1), o, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    _partition_barrier()
+    _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, False)
+    mbarrier.wait(bars.index(3), ph)
+    m = exch.slice(2 * 64, 64).load(row_s)
+    scale1 = exch.slice(3 * 64, 64).load(row_s)
+    # P0 at group 1's max; group 1 read the last pair's P0 before it reloaded buffer 0's right
+    # half, which this group's scores waited for.
+    sp0.store((p * gl.expand_dims(scale1, 1)).to(gl.bfloat16))
+    fence_async_shared()
+    _partition_barrier()
+    mbarrier.arrive(bars.index(4))
+    o = o * gl.expand_dims(gl.convert_layout(scale1, row_o), 1)
+    l = l * scale1
+    if HAS_ODD:
+        mbarrier.wait(bars.index(5), ph)
+        o = warpgroup_mma(qr_smem, kn_smem.index(1).slice(0, HALF, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        _partition_barrier()
+        _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, False)
+    return m, l, o
 
 
 @gluon.jit
@@ -208,53 +218,18 @@ def _take_max(exch, bars, ph, row_max):
 
 @gluon.jit
 def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
-    """Warp group 1: odd blocks' scores and output columns [256, 512); it reloads buffer 1's right
-    half (only it reads that) after its P1.V, and buffer 0's right half after its P0.V (group 0's
-    scores of that block are done: P0 was ready)."""
+    """Warp group 1: odd blocks' scores and output columns [256, 512); the pairs with both blocks
+    in the loop, a last even block's P0.V after it."""
     qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
-    s_layout: gl.constexpr = S_LAYOUT
-    o_layout: gl.constexpr = O_LAYOUT
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     q_rope = _rope_of_q(qr_smem, bars)
     mbarrier.wait(bars.index(1), 0)
     l = gl.zeros([64], gl.float32, row_s)
-    o = gl.zeros([64, HALF], gl.float32, o_layout)
-    for i in range((n_blocks + 1) // 2):
-        ph = i & 1
-        valid = gl.minimum(n - (2 * i + 1) * BLOCK_N, BLOCK_N)
-        # The pair's odd block, where it has one; its scores are live only in this branch (a tile
-        # of -inf beside them for the branch without it spilled the accumulator).
-        if 2 * i + 1 < n_blocks:
-            s = _scores(
-                qn_smem, q_rope, kn_smem.index(1), kr_smem.index(1), full, 1, ph, scale_log2, valid, True, s_layout
-            )
-            m1, scale = _take_max(exch, bars, ph, gl.max(s, axis=1))
-            o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
-            p = gl.exp2(s - gl.expand_dims(m1, 1))
-            l = l * scale + gl.sum(p, axis=1)
-            if valid < BLOCK_N:
-                _zero_rows_from(kn_smem.index(1), valid)
-            p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-            o = warpgroup_mma(p_a, kn_smem.index(1).slice(HALF, HALF, dim=1), o, is_async=True)
-            # P1 into q's rope buffer: group 0 read that buffer's q before the loop, and its P1.V of
-            # the last pair before it reloaded buffer 1's left half, which these scores waited for.
-            qr_smem.store(p_a)
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(bars.index(5))
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _partition_barrier()
-            _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, True)
-        else:
-            m1, scale = _take_max(exch, bars, ph, gl.full([64], float("-inf"), gl.float32, row_s))
-            o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
-            l = l * scale
-        mbarrier.wait(bars.index(4), ph)
-        o = warpgroup_mma(sp0, kn_smem.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _partition_barrier()
-        _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, True)
+    o = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
+    for i in range(n_blocks // 2):
+        l, o = _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, True)
+    if n_blocks % 2 == 1:
+        l, o = _pair1(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, l, o, False)
     # Slots 0 and 1 are free: group 0 writes m0 and its rescale no more, and read group 1's last
     # m1 before the P0 this group waited for.
     exch.slice(1 * 64, 64).store(l)
@@ -262,6 +237,47 @@ def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
     mbarrier.arrive(bars.index(6))
     mbarrier.wait(bars.index(7), 0)
     _store_half(out_ptr, row0, HALF, o, exch.slice(0 * 64, 64).load(row_s))
+
+
+@gluon.jit
+def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constexpr):
+    """Group 1's part of pair i: block 2i + 1's scores and P1.V where the pair has it, then block
+    2i's P0.V. It reloads buffer 1's right half (only it reads that) after its P1.V, and buffer 0's
+    right half after its P0.V (group 0's scores of that block are done: P0 was ready)."""
+    qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    ph = i & 1
+    if HAS_ODD:
+        valid = gl.minimum(n - (2 * i + 1) * BLOCK_N, BLOCK_N)
+        s = _scores(qn_smem, q_rope, kn_smem.index(1), kr_smem.index(1), full, 1, ph, scale_log2, valid, True, S_LAYOUT)
+        m1, scale = _take_max(exch, bars, ph, gl.max(s, axis=1))
+        o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
+        p = gl.exp2(s - gl.expand_dims(m1, 1))
+        l = l * scale + gl.sum(p, axis=1)
+        if valid < BLOCK_N:
+            _zero_rows_from(kn_smem.index(1), valid)
+        p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+        o = warpgroup_mma(p_a, kn_smem.index(1).slice(HALF, HALF, dim=1), o, is_async=True)
+        # P1 into q's rope buffer: group 0 read that buffer's q before the loop, and its P1.V of
+        # the last pair before it reloaded buffer 1's left half, which these scores waited for.
+        qr_smem.store(p_a)
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(bars.index(5))
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        _partition_barrier()
+        _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, True)
+    else:
+        m1, scale = _take_max(exch, bars, ph, gl.full([64], float("-inf"), gl.float32, row_s))
+        o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
+        l = l * scale
+    mbarrier.wait(bars.index(4), ph)
+    o = warpgroup_mma(sp0, kn_smem.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    _partition_barrier()
+    _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, True)
+    return l, o
 
 
 @gluon.jit

@@ -63,7 +63,8 @@ def test_the_seesaw_probe_compiles_for_sm90():
     """benchmarks/mla_decode_seesaw.py (FlashMLA's schedule in two warp-specialized groups; not
     run on a GPU yet) compiles for sm_90 within an H100 block's shared memory, both groups at 256
     registers, with the scores' and P.V's HGMMA shapes. Its second group's partition spills
-    (about 110 local accesses): the bound below holds it there until a change removes them."""
+    (74 local accesses in all on triton 3.7.1): the bound below holds it there until a change
+    removes them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = SCRIPT.with_name("mla_decode_seesaw.py")
     proc = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, env=env, timeout=300)
@@ -72,7 +73,7 @@ def test_the_seesaw_probe_compiles_for_sm90():
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
     assert set(stats["setmaxnreg"]) == {"256"}, stats
     assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], stats
-    assert stats["local"] <= 128, stats
+    assert stats["local"] <= 80, stats
 
 
 @pytest.mark.parametrize("head_units,num_programs", [(1, 3), (2, 2), (2, 8), (2, 24)])
