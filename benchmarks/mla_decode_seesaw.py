@@ -341,15 +341,19 @@ def _smem_layout(shape: list[int]):
 
 
 def mla_decode_seesaw(
-    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor
+    q: torch.Tensor, pool: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor, poison: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, 512) bf16 and lse (B, H) fp32 of q (B, H, 576) bf16 (H a multiple of 64) over
-    pool (pages, 64, 576) bf16 through block_table (B, max pages) int32, seqlens (B,) int32."""
+    pool (pages, 64, 576) bf16 through block_table (B, max pages) int32, seqlens (B,) int32;
+    ``poison``: out and lse NaN before the launch, so that what it leaves unwritten shows."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, heads = q.shape[0], q.shape[1]
     out = torch.empty(batch * heads, DV.value, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch * heads, dtype=torch.float32, device=q.device)
+    if poison:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
     q2, pool2 = q.reshape(-1, DV.value + DR.value), pool.view(-1, DV.value + DR.value)
 
     def desc(t: torch.Tensor, shape: list[int]):
@@ -395,8 +399,8 @@ def compiled_stats() -> dict:
 
 
 def run_on_gpu(n_keys: int) -> list[str]:
-    """Exactness against float64 (2 sequences, ragged lengths) and the time beside the Gluon
-    kernel on one head unit an SM."""
+    """Exactness against float64 (ragged lengths in one launch, NaN in the pool's rows no sequence
+    holds, out and lse NaN before it) and the time beside the Gluon kernel on one head unit an SM."""
     import mla_decode_gluon as gluon_bench
     from bench_decode import Timer
 
@@ -404,12 +408,13 @@ def run_on_gpu(n_keys: int) -> list[str]:
 
     lines = []
     ragged = gluon_bench.paged_problem([1, 63, 64, 65, 130, 0, 700, 4099], heads=128, seed=3)
-    out, lse = mla_decode_seesaw(*ragged)
+    out, lse = mla_decode_seesaw(*ragged, poison=True)
     ref_out, ref_lse = gluon_bench.reference(*ragged)
     lines.append(
         f"ragged lengths 0-4099, 128 heads: max |out - float64| {(out.double() - ref_out).abs().max().item():.2e}, "
         f"|lse - float64| {(lse.double() - ref_lse).abs().nan_to_num(0.0).max().item():.2e}, "
-        f"lse -inf where the reference's is: {bool(((lse == float('-inf')) == (ref_lse == float('-inf'))).all())}"
+        f"lse -inf where the reference's is: {bool(((lse == float('-inf')) == (ref_lse == float('-inf'))).all())}, "
+        f"{int(out.isnan().sum()) + int(lse.isnan().sum())} values NaN"
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     problem = gluon_bench.paged_problem([n_keys] * (sms // 2), heads=128)
