@@ -115,7 +115,9 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     (tmp_path / "mla decode gluon.log").write_text(
         "noise\nsm_90: 193 registers\nno sm_90 GPU: compiled statistics only\n"
     )
-    (tmp_path / "mla decode seesaw.log").write_text("noise\nragged lengths: max |out - float64| 4.0e-03\n")
+    (tmp_path / "mla decode seesaw.log").write_text(
+        "noise\nragged lengths: max |out - float64| 4.0e-03\n66 x 128: seesaw 900.0 us (1.76 us a 64-key iteration)\n"
+    )
     steps = [dict(name="pytest tests/gpu", status="PASS", seconds=61.0)]
     path = gpu_check.write_record(str(tmp_path), {}, steps, {"flashinfer": "not installed"})
     record = results.validate(json.loads(Path(path).read_text()))
@@ -124,7 +126,7 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     assert record["loops"] == {
         "decode_tp llama-3-8b eager lean": "decode: 12.3 ms/step",
         "mla decode gluon": "sm_90: 193 registers | no sm_90 GPU: compiled statistics only",
-        "mla decode seesaw": "ragged lengths: max |out - float64| 4.0e-03",
+        "mla decode seesaw": "ragged lengths: max |out - float64| 4.0e-03 | 66 x 128: seesaw 900.0 us (1.76 us a 64-key iteration)",
     }
     assert "| pytest tests/gpu | PASS | 61 |" in results.table(record)
 
