@@ -194,10 +194,14 @@ def loop_results(out: str) -> dict[str, str]:
     for step in ("mla decode gluon", "mla decode seesaw"):
         log = os.path.join(out, f"{step}.log")
         if os.path.exists(log):
-            # The compiled statistics, the checks against float64 and the times a 64-key iteration.
-            keep = lambda line: line.startswith(("sm_90:", "no sm_90")) or "float64" in line or "-key iteration" in line  # noqa: E731
-            found[step] = " | ".join(line.strip() for line in open(log) if keep(line)) or "no result"
+            found[step] = " | ".join(line.strip() for line in open(log) if _mla_probe_line(line)) or "no result"
     return found
+
+
+def _mla_probe_line(line: str) -> bool:
+    """A line the record keeps of an MLA kernel's script: its compiled statistics, its checks
+    against float64, its times a 64-key iteration."""
+    return line.startswith(("sm_90:", "no sm_90")) or "float64" in line or "-key iteration" in line
 
 
 def write_record(out: str, env: dict, steps: list[dict], found_packages: dict[str, str]) -> str:
