@@ -21,11 +21,11 @@ group:
 
 Compiled for sm_90: 256 registers a thread in both groups (setmaxnreg), 231716 bytes of shared
 memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory); 74 local
-accesses on triton 3.7.1 (77 on 3.6, 236 on 3.9), 68 of them in group 1's, the worker partition's,
-code. The worker spills more whichever group it runs (98 against 46 with the roles swapped, the
-pairs' branch in the loop); a pair's odd block behind a branch inside the loop had it at 110 (the
-other buffer's operand addresses hoisted and spilled), so the pairs with both blocks run in the
-loop and a last even block after it; and a third, one-warp partition issuing the copies left the
+accesses on triton 3.7.1 (77 on 3.6, 236 on 3.9), 68 of them in group 1's code, the worker
+partition's: either group has 2 as the default partition and 64-68 as the worker, 64-bit values
+reloaded just before the HGMMAs (their operand descriptors, hoisted out of the loop). A pair's odd
+block behind a branch inside the loop had the worker at 110, so the pairs with both blocks run in
+the loop and a last even block after it; a third, one-warp partition issuing the copies left the
 groups 240 registers and spilled 250. Not yet run on a GPU. ``--json``: the compiled statistics;
 on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel on one
 head unit an SM.
