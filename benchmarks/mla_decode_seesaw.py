@@ -23,10 +23,10 @@ Compiled for sm_90: 256 registers a thread in both groups (setmaxnreg), 231716 b
 memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory); 74 local
 accesses on triton 3.7.1 (77 on 3.6, 236 on 3.9), 68 of them in group 1's code, the worker
 partition's: either group has 2 as the default partition and 64-68 as the worker, 64-bit values
-reloaded just before the HGMMAs (their operand descriptors, hoisted out of the loop). A pair's odd
-block behind a branch inside the loop had the worker at 110, so the pairs with both blocks run in
-the loop and a last even block after it; a third, one-warp partition issuing the copies left the
-groups 240 registers and spilled 250. Not yet run on a GPU. ``--json``: the compiled statistics;
+reloaded just before the HGMMAs (their operand descriptors, hoisted out of the loop). With a
+pair's odd block behind a branch inside the loop the worker spills 110, so the pairs with both
+blocks run in the loop and a last even block after it; a third, one-warp partition issuing the
+copies would leave the groups 240 registers, at 250 spills. Not yet run on a GPU. ``--json``: the compiled statistics;
 on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel on one
 head unit an SM.
 """
@@ -131,7 +131,7 @@ def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     """Warp group 0: even blocks' scores, output columns [0, 256), the row max's owner at a pair's
     start, the lse. bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l
     ready. The pairs with both blocks run in the loop, a last even block alone after it (the
-    branch inside the loop made ptxas hoist and spill the other group's operand addresses)."""
+    branch inside the loop has ptxas hoist and spill the other group's operand addresses)."""
     qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
     row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     q_rope = _rope_of_q(qr_smem, bars)
