@@ -130,8 +130,8 @@ def _zero_rows_from(tile, first):
 def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     """Warp group 0: even blocks' scores, output columns [0, 256), the row max's owner at a pair's
     start, the lse. bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l
-    ready. The pairs with both blocks run in the loop, a last even block alone after it (the
-    branch inside the loop has ptxas hoist and spill the other group's operand addresses)."""
+    ready. The pairs with both blocks run in the loop, a last even block alone after it (a
+    branch inside the loop would have ptxas hoist and spill the other group's operand addresses)."""
     qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
     row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     q_rope = _rope_of_q(qr_smem, bars)
