@@ -45,13 +45,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a named barrier inside a partition
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# The Gluon kernel's version shims (the barrier of the warps that run it, the TMA load), its
+# buffers' shared layout and its zeroing of a page's rows past a sequence's end.
+from lean_tp.ops.mla_gluon.kernel import cta_barrier, smem_layout, tma_load, zero_rows_from
+
 # The kernel's shape: query rows a program, latent and rope columns, keys a block (a page), V's
 # columns a warp group.
 ROWS, DV, DR, BLOCK_N, HALF = (gl.constexpr(v) for v in (64, 512, 64, 64, 256))
@@ -69,7 +70,7 @@ def _rope_of_q(qr_smem, bars):
     """q's rope columns in registers, the scores' operand, once q's copy landed."""
     mbarrier.wait(bars.index(0), 0)
     q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2))
-    _partition_barrier()
+    cta_barrier()
     return q_rope
 
 
@@ -82,11 +83,11 @@ def _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, slot, j, n_block
     bar = full.index(2 * slot + RIGHT)
     if RIGHT:
         mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
-        _tma_load(kn_desc, [row, HALF], bar, kn_smem.index(slot).slice(HALF, HALF, dim=1), pred=pred)
-        _tma_load(kr_desc, [row, DV], bar, kr_smem.index(slot), pred=pred)
+        tma_load(kn_desc, [row, HALF], bar, kn_smem.index(slot).slice(HALF, HALF, dim=1), pred=pred)
+        tma_load(kr_desc, [row, DV], bar, kr_smem.index(slot), pred=pred)
     else:
         mbarrier.expect(bar, kn_desc.block_type.nbytes, pred=pred)
-        _tma_load(kn_desc, [row, 0], bar, kn_smem.index(slot).slice(0, HALF, dim=1), pred=pred)
+        tma_load(kn_desc, [row, 0], bar, kn_smem.index(slot).slice(0, HALF, dim=1), pred=pred)
 
 
 @gluon.jit
@@ -114,19 +115,6 @@ def _scores(
 
 
 @gluon.jit
-def _zero_rows_from(tile, first):
-    """Rows [first, 64) of a K/V buffer set to 0 by one warp group (the pool's rows past a
-    sequence's end may hold NaN, and P = 0 times NaN is NaN)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, layout)) < first, 1)
-    for c in gl.static_range(4):
-        part = tile.slice(c * 128, 128, dim=1)
-        part.store(gl.where(keep, part.load(layout), 0.0).to(gl.bfloat16))
-    fence_async_shared()
-    _partition_barrier()
-
-
-@gluon.jit
 def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     """Warp group 0: even blocks' scores, output columns [0, 256), the row max's owner at a pair's
     start, the lse. bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l
@@ -146,7 +134,7 @@ def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     mbarrier.wait(bars.index(6), 0)
     l = l + exch.slice(1 * 64, 64).load(row_s)
     exch.slice(0 * 64, 64).store(l)
-    _partition_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(7))
     _store_half(out_ptr, row0, 0, o, l)
     gl.store(lse_ptr + row0 + gl.arange(0, 64, layout=row_s), (m + gl.log2(l)) * 0.6931471805599453)
@@ -167,17 +155,17 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
     scale0 = gl.exp2(m - m0)
     exch.slice(0 * 64, 64).store(m0)
     exch.slice(1 * 64, 64).store(scale0)
-    _partition_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(2))
     p = gl.exp2(s - gl.expand_dims(m0, 1))
     l = l * scale0 + gl.sum(p, axis=1)
     if valid < BLOCK_N:
-        _zero_rows_from(kn_smem.index(0), valid)
+        zero_rows_from(kn_smem.index(0), valid)
     o = o * gl.expand_dims(gl.convert_layout(scale0, row_o), 1)
     p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
     o = warpgroup_mma(p_a, kn_smem.index(0).slice(0, HALF, dim=1), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-    _partition_barrier()
+    cta_barrier()
     _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, False)
     mbarrier.wait(bars.index(3), ph)
     m = exch.slice(2 * 64, 64).load(row_s)
@@ -186,7 +174,7 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
     # half, which this group's scores waited for.
     sp0.store((p * gl.expand_dims(scale1, 1)).to(gl.bfloat16))
     fence_async_shared()
-    _partition_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(4))
     o = o * gl.expand_dims(gl.convert_layout(scale1, row_o), 1)
     l = l * scale1
@@ -194,7 +182,7 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
         mbarrier.wait(bars.index(5), ph)
         o = warpgroup_mma(qr_smem, kn_smem.index(1).slice(0, HALF, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _partition_barrier()
+        cta_barrier()
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, False)
     return m, l, o
 
@@ -211,7 +199,7 @@ def _take_max(exch, bars, ph, row_max):
     scale1 = gl.exp2(m0 - m1)
     exch.slice(2 * 64, 64).store(m1)
     exch.slice(3 * 64, 64).store(scale1)
-    _partition_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(3))
     return m1, scale0 * scale1
 
@@ -233,7 +221,7 @@ def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
     # Slots 0 and 1 are free: group 0 writes m0 and its rescale no more, and read group 1's last
     # m1 before the P0 this group waited for.
     exch.slice(1 * 64, 64).store(l)
-    _partition_barrier()
+    cta_barrier()
     mbarrier.arrive(bars.index(6))
     mbarrier.wait(bars.index(7), 0)
     _store_half(out_ptr, row0, HALF, o, exch.slice(0 * 64, 64).load(row_s))
@@ -256,17 +244,17 @@ def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constex
         p = gl.exp2(s - gl.expand_dims(m1, 1))
         l = l * scale + gl.sum(p, axis=1)
         if valid < BLOCK_N:
-            _zero_rows_from(kn_smem.index(1), valid)
+            zero_rows_from(kn_smem.index(1), valid)
         p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
         o = warpgroup_mma(p_a, kn_smem.index(1).slice(HALF, HALF, dim=1), o, is_async=True)
         # P1 into q's rope buffer: group 0 read that buffer's q before the loop, and its P1.V of
         # the last pair before it reloaded buffer 1's left half, which these scores waited for.
         qr_smem.store(p_a)
         fence_async_shared()
-        _partition_barrier()
+        cta_barrier()
         mbarrier.arrive(bars.index(5))
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _partition_barrier()
+        cta_barrier()
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, True)
     else:
         m1, scale = _take_max(exch, bars, ph, gl.full([64], float("-inf"), gl.float32, row_s))
@@ -275,7 +263,7 @@ def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constex
     mbarrier.wait(bars.index(4), ph)
     o = warpgroup_mma(sp0, kn_smem.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-    _partition_barrier()
+    cta_barrier()
     _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, True)
     return l, o
 
@@ -319,8 +307,8 @@ def mla_seesaw_kernel(
     n_blocks = (n + BLOCK_N - 1) // BLOCK_N
     pages = block_table_ptr + b * table_stride
     mbarrier.expect(bars.index(0), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    _tma_load(qn_desc, [row0, 0], bars.index(0), qn_smem)
-    _tma_load(qr_desc, [row0, DV], bars.index(0), qr_smem)
+    tma_load(qn_desc, [row0, 0], bars.index(0), qn_smem)
+    tma_load(qr_desc, [row0, DV], bars.index(0), qr_smem)
     for j in gl.static_range(2):
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, j, j, n_blocks, False)
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, j, j, n_blocks, True)
@@ -334,10 +322,6 @@ def mla_seesaw_kernel(
         [4],
         [WG1_REGS],
     )
-
-
-def _smem_layout(shape: list[int]):
-    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
 
 
 def mla_decode_seesaw(
@@ -357,7 +341,7 @@ def mla_decode_seesaw(
     q2, pool2 = q.reshape(-1, DV.value + DR.value), pool.view(-1, DV.value + DR.value)
 
     def desc(t: torch.Tensor, shape: list[int]):
-        return TensorDescriptor.from_tensor(t, shape, _smem_layout(shape))
+        return TensorDescriptor.from_tensor(t, shape, smem_layout(shape))
 
     mla_seesaw_kernel[(batch * heads // 64,)](
         desc(q2, [64, 512]), desc(q2, [64, 64]), desc(pool2, [64, 256]), desc(pool2, [64, 64]),
@@ -376,7 +360,7 @@ def compiled_stats() -> dict:
     from lean_tp.tools.kernel_report.sass import dump, resources
 
     def desc(shape: list[int]) -> str:
-        return f"tensordesc<bf16[{shape[0]},{shape[1]}],{_smem_layout(shape)!r}>"
+        return f"tensordesc<bf16[{shape[0]},{shape[1]}],{smem_layout(shape)!r}>"
 
     signature = {
         "qn_desc": desc([64, 512]), "qr_desc": desc([64, 64]), "kn_desc": desc([64, 256]),

@@ -41,17 +41,23 @@ def _script():
     return script
 
 
+def _compiled_stats(script: Path) -> dict:
+    """A benchmark script's compiled statistics (``--json``), compiled in a process of its own with
+    the interpreter off: after an interpreted launch in the same process, triton 3.7.1 fails to
+    compile a Gluon kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def test_the_gluon_mla_kernel_compiles_for_sm90_within_its_budget():
     """No local memory in the K/V loop (one value saved once and reloaded once a segment outside
     it), shared memory within an H100 block's, and a 64-key iteration that reads under 5000 bytes
     of shared memory a key (lean's 64-row loop: 13120, kernel report) with both products on wgmma
     (each warp group's half: 64 x 32 of the score, 64 x 256 of P.V), in fewer SASS than lean's
-    64-row loop takes for 32 keys (670). Compiled in a process of its own: after an interpreted
-    launch in the same process, triton 3.7.1 fails to compile a Gluon kernel."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stats = json.loads(proc.stdout)
+    64-row loop takes for 32 keys (670)."""
+    stats = _compiled_stats(SCRIPT)
     assert stats["loop_local"] == 0 and stats["local_anywhere"] <= 2 and stats["registers"] <= 255, stats
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats  # the most a block may opt into
     assert 0 < stats["smem_read_per_key"] < 5000, stats
@@ -65,11 +71,7 @@ def test_the_seesaw_probe_compiles_for_sm90():
     registers, with the scores' and P.V's HGMMA shapes. Its second group's partition spills
     (74 local accesses in all on triton 3.7.1): the bound below holds it there until a change
     removes them."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = SCRIPT.with_name("mla_decode_seesaw.py")
-    proc = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stats = json.loads(proc.stdout)
+    stats = _compiled_stats(SCRIPT.with_name("mla_decode_seesaw.py"))
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
     assert set(stats["setmaxnreg"]) == {"256"}, stats
     assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x64x16.F32.BF16"], stats

@@ -28,11 +28,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, cdiv, next_unit, program_of_tile
 
-# The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 (inside a
+# warp-specialized partition, a barrier of the partition's warps).
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # A TMA load is tma.async_load from triton 3.8 (3.9 removes async_copy_global_to_shared), and
 # tma.async_copy_global_to_shared before it; the arguments are the same.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -169,10 +170,10 @@ def _segment(
     Returns (row max in log2 units, row sum, unnormalized output)."""
     DV: gl.constexpr = 512
     # The previous segment's blocks and q are read by both warp groups until here.
-    _cta_barrier()
+    cta_barrier()
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    _tma_load(qn_desc, [q_row, 0], q_bar, qn_smem)
-    _tma_load(qr_desc, [q_row, DV], q_bar, qr_smem)
+    tma_load(qn_desc, [q_row, 0], q_bar, qn_smem)
+    tma_load(qr_desc, [q_row, DV], q_bar, qr_smem)
     for st in gl.static_range(STAGES):
         slot = (done + st) % STAGES
         row = gl.load(pages + st, mask=st < n_blocks, other=0) * BLOCK_N
@@ -194,14 +195,14 @@ def _segment(
             qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, BLOCK_N, False
         )
         # Block j + STAGES into the slot once both groups are done with it and with P.
-        _cta_barrier()
+        cta_barrier()
         _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
     last = done + n_blocks - 1
     mbarrier.wait(kn_bars.index(last % STAGES), (last // STAGES) & 1)
     mbarrier.wait(kr_bars.index(last % STAGES), (last // STAGES) & 1)
     kn = kn_smem.index(last % STAGES)
     if last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
-        _zero_rows_from(kn, last_valid, BLOCK_N, DV)
+        zero_rows_from(kn, last_valid)
     kr = kr_smem.index(last % STAGES)
     return _attend_block(qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, last_valid, scale_log2, BLOCK_N, True)
 
@@ -213,8 +214,8 @@ def _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row,
     DV: gl.constexpr = 512
     mbarrier.expect(kn_bars.index(slot), kn_desc.block_type.nbytes, pred=pred)
     mbarrier.expect(kr_bars.index(slot), kr_desc.block_type.nbytes, pred=pred)
-    _tma_load(kn_desc, [row, 0], kn_bars.index(slot), kn_smem.index(slot), pred=pred)
-    _tma_load(kr_desc, [row, DV], kr_bars.index(slot), kr_smem.index(slot), pred=pred)
+    tma_load(kn_desc, [row, 0], kn_bars.index(slot), kn_smem.index(slot), pred=pred)
+    tma_load(kr_desc, [row, DV], kr_bars.index(slot), kr_smem.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -240,7 +241,7 @@ def _attend_block(
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     o_tok = warpgroup_mma(p_smem, kn, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
@@ -248,18 +249,19 @@ def _attend_block(
 
 
 @gluon.jit
-def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, DV: gl.constexpr):
-    """Rows [first, BLOCK_N) of a K/V tile in shared memory set to 0: past a sequence's end its
-    last page holds whatever the pool has there, and a masked score (P = 0) times a NaN there is
-    NaN. In column slices of 128, so the registers it needs stay few."""
+def zero_rows_from(tile, first):
+    """Rows [first, rows) of a K/V tile ([rows, 512] bf16) in shared memory set to 0 by the warps
+    that run it (the CTA's, or a warp-specialized partition's): past a sequence's end its last
+    page holds whatever the pool has there, and a masked score (P = 0) times a NaN there is NaN.
+    In column slices of 128, so the registers it needs stay few."""
     COLS: gl.constexpr = 128
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    keep = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < first, 1)
-    for c in gl.static_range(DV // COLS):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    keep = gl.expand_dims(gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout)) < first, 1)
+    for c in gl.static_range(tile.shape[1] // COLS):
         part = tile.slice(c * COLS, COLS, dim=1)
         part.store(gl.where(keep, part.load(layout), 0.0).to(gl.bfloat16))
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
 
 
 @gluon.jit
