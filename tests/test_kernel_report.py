@@ -7,6 +7,9 @@ tuning table can select, as a launch specializes it, and hold the compiled code 
 kernel fast. This process interprets kernels (TRITON_INTERPRET=1 is set at collection), so the
 compiles run in subprocesses with the interpreter off. One xdist worker runs the module, so the
 compiles happen once.
+
+The tests that read compiled kernels (``COMPILES``: about 11 minutes of CPU, 5-6 on 2 idle cores)
+are CI's step of their own, ``pytest -m kernel_report``; the README's test command runs the rest.
 """
 
 import dataclasses
@@ -32,6 +35,7 @@ from lean_tp.tools.kernel_report import (
 )
 
 pytestmark = pytest.mark.xdist_group("kernel_report")
+COMPILES = pytest.mark.kernel_report
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SMEM_LIMIT = {key: arch.smem_per_block for key, arch in ARCHS.items()}  # opt-in shared memory per block
@@ -63,6 +67,7 @@ def _report_rows(stats):
     return [s for s in stats if shown(s) and not s.leftpad and s.dtype != "bf16"]
 
 
+@COMPILES
 def test_every_table_entry_compiles_for_every_layout(stats):
     """Every 16-bit entry on every layout; every fp32 entry on one, and every layout for fp32;
     every fp8 entry, as the fp8 features of its head dim."""
@@ -87,6 +92,7 @@ def test_every_table_entry_compiles_for_every_layout(stats):
         assert s.programs_per_sm >= 1, s
 
 
+@COMPILES
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
@@ -110,6 +116,7 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
             assert s.programs_per_sm >= 2, s
 
 
+@COMPILES
 def test_page_ids_are_read_ahead(stats):
     """Every paged 16-bit and fp8 kernel (both archs, every head dim and feature) reads none of its
     block-table loads in the iteration that issues them: the pipeliner copies the page ids a stage
@@ -162,6 +169,7 @@ def test_page_id_timing_reads_registers_through_the_loop():
     assert page_id_timing(sass("@!P6 LDGSTS.E [R7+0x1180], desc[UR4][R2.64], P4", "LDS R8, [R7+0x1180]")) == (1, 0)
 
 
+@COMPILES
 def test_paged_kernels_cost_little_more_than_contiguous(stats):
     """paged16 SASS per K/V iteration within 1.15x the contiguous kernel's, for every 16-bit entry
     (triton 3.7.1: 0.96-1.04x): the page lookup (a shift and a mask per key, page ids a stage
@@ -189,6 +197,7 @@ def test_paged_kernels_cost_little_more_than_contiguous(stats):
     assert len(whole) == 4 and all(paged <= 1.02 * contiguous for paged, contiguous in whole), whole
 
 
+@COMPILES
 @pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
     """Every fp8 entry (both formats, every head dim): no spills in the K/V loop, 16-byte K and V
@@ -211,6 +220,7 @@ def test_fp8_kernels_keep_the_16bit_pipeline(stats, arch):
             assert s.issue_share <= 0.45, s
 
 
+@COMPILES
 def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
     """The batch-invariant variants (one K/V loop per segment, whose chunk ends fold or store
     states; a verification's tokens each a sequence of its own) have no K/V-loop spill, at least
@@ -231,6 +241,7 @@ def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
         assert s.shared_bytes <= d.shared_bytes, (s, d)
 
 
+@COMPILES
 @pytest.mark.parametrize("arch", REPORT_ARCHS)
 def test_mla_kernels_read_each_latent_row_once(stats, arch):
     """MLA's 576/512 entries, V read from K's tile (``V_IN_K``): the K/V loop copies 576 x elem
@@ -261,7 +272,7 @@ def test_mla_kernels_read_each_latent_row_once(stats, arch):
             assert s.block_n == 64 and 0 < s.smem_read_bytes / s.block_n < 6000, s
 
 
-@pytest.mark.archs  # about 4 minutes on 2 cores: CI runs it as a step of its own (pytest -m archs)
+@COMPILES
 def test_every_architecture_compiles_within_its_limits():
     """Every entry of sm_86, sm_89, sm_100 and sm_120 (``OTHER_ARCHS``), on paged16 (the layout
     that stages the most; ``--archs --sample``): 16-bit, e4m3, fp32 (contiguous), the
@@ -295,6 +306,7 @@ def test_every_architecture_compiles_within_its_limits():
     assert sorted(documented) == sorted(full), "docs/kernel_report.md's rows are not those --archs compiles"
 
 
+@COMPILES
 def test_docs_kernel_report_is_current(stats):
     import triton
 
@@ -468,6 +480,7 @@ def test_merge_loop_is_the_innermost_loop_with_l2_coherent_loads():
     assert merge_loop_of_sass(sass.replace("STRONG.GPU", "CONSTANT")) == (0, 0)
 
 
+@COMPILES
 def test_every_kernel_merges_in_waves_of_l2_loads(stats):
     """The merge loop exists in every compiled kernel, loads its partials through L2 (``.cg``), a
     wave of ``merge_wave`` partials per iteration."""
