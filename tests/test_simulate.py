@@ -9,6 +9,7 @@ import math
 import pytest
 
 from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUTORS, MERGE_FANIN
+from lean_tp.tools.gpus import LOOP_US
 from lean_tp.tools.simulate import (
     GPUS,
     LINKS,
@@ -45,8 +46,9 @@ from lean_tp.tools.simulate import (
     vllm_invariant_schedule,
 )
 from lean_tp.tools.simulate import simulate as _simulate
+from lean_tp.tools.simulate.gluon import GLUON_LOOP_US
 from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share, residency_us
-from lean_tp.tools.simulate.schedules import lean_sim_schedule, lean_variant, schedule_lens
+from lean_tp.tools.simulate.schedules import compute_roof, lean_sim_schedule, lean_variant, schedule_lens
 
 H100 = GPUS["H100"]
 
@@ -423,6 +425,26 @@ def test_row_blocks_reading_keys_together_stream_from_hbm_once():
     assert kernel == pytest.approx(2 * 8 * 32768 * 1152 / 3.0e6 / 2, rel=0.15)
     reads_once = simulate(Problem((65536,), 8, 1))["fa2"]
     assert reads_once.time_us - reads_once.merge_us >= 65536 * 512 / 3.0e6
+
+
+def test_no_sm_computes_faster_than_its_tensor_cores():
+    """``compute_roof``: 2 x rows x (576 + 512) FLOP a latent key, at the tensor peak. Under DP
+    attention's 128 heads FlashMLA's 64-row CTAs are bound by its published 660 TFLOP/s, not the
+    copy bandwidth, and FlashInfer's e4m3 CTAs (bf16 products on half the bytes) by the H100's
+    989.4; lean's measured loops run below the roof, so it changes none of the rows they model,
+    and a GQA head's few rows leave it above what an SM's L2 port gives."""
+    dp, flops = _mla([32768] * 128, heads=128), 128 * 128 * 32768 * 2 * (576 + 512)
+    assert compute_roof(dp, H100, 64) == pytest.approx(989.4e6 / 132 / (2 * 64 * 1088) * 1152)
+    flashmla = flashmla_schedule(dp, H100)
+    assert flashmla.time_us - flashmla.merge_us == pytest.approx(flops / 660e6, rel=0.02)
+    fp8 = flashinfer_mla_schedule(_mla([32768] * 128, heads=128, elem_size=1), H100)
+    assert fp8.time_us == pytest.approx(flops / 989.4e6, rel=0.05)
+    for (_, _, elem, block_g, block_n), us in LOOP_US.items():
+        problem = _mla([1], heads=128, elem_size=elem)
+        assert block_n * problem.bytes_per_token / us < compute_roof(problem, H100, block_g) / 2, (block_g, block_n)
+    assert 64 * dp.bytes_per_token / GLUON_LOOP_US["sm90"] < compute_roof(dp, H100, 64) / 2
+    gqa = Problem((4096,), 32, 8, 128)
+    assert compute_roof(gqa, H100, 16) > 4 * H100.l2_port_gbps * 1e3
 
 
 def test_flashinfer_mla_plan_clusters_and_merges_in_kernel():

@@ -23,6 +23,7 @@ class GPUModel:
     launch_gap_us: float  # a dependent second kernel's start after the first ends (CUDA graph)
     l2_mb: float  # L2 capacity, MB
     l2_read_tbps: float  # what all SMs together read from L2 (hits), TB/s
+    tensor_tflops: float  # dense 16-bit tensor-core peak, TFLOP/s: no SM computes faster
     combine_ctas_per_sm: int = 4  # resident CTAs of a combine kernel
 
     @property
@@ -37,11 +38,11 @@ class GPUModel:
 GPUS = {
     g.name: g
     for g in (
-        GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0, 40.0, 5.4),
-        GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0, 50.0, 6.9),
-        GPUModel("H200", PARTS["H200"].sms, PARTS["H200"].arch, 1.755, 4.24, 0.7, 260, 64, 1.0, 50.0, 6.9),
-        GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0, 126.5, 8.7),
-        GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0, 96.0, 10.7),
+        GPUModel("A100", PARTS["A100"].sms, PARTS["A100"].arch, 1.41, 1.5, 0.6, 200, 47, 1.0, 40.0, 5.4, 312.0),
+        GPUModel("H100", PARTS["H100"].sms, PARTS["H100"].arch, 1.755, 3.0, 0.7, 260, 64, 1.0, 50.0, 6.9, 989.4),
+        GPUModel("H200", PARTS["H200"].sms, PARTS["H200"].arch, 1.755, 4.24, 0.7, 260, 64, 1.0, 50.0, 6.9, 989.4),
+        GPUModel("B200", PARTS["B200"].sms, PARTS["B200"].arch, 1.965, 6.9, 0.8, 295, 64, 1.0, 126.5, 8.7, 2250.0),
+        GPUModel("L40S", PARTS["L40S"].sms, PARTS["L40S"].arch, 2.52, 0.78, 0.6, 279, 64, 1.0, 96.0, 10.7, 362.05),
     )
 }
 # Measured time of one K/V-loop iteration (one block_n-key block of one head unit, one program an
@@ -103,6 +104,10 @@ MODEL_SOURCES = {
     "launch_gap_us": "assumed 1 us between dependent kernels inside a CUDA graph (unmeasured here)",
     "l2_mb": "A100 and H100 whitepapers: 40 and 50 MB; B200: 126.5 MB (the driver's figure, pytorch/ao #4002); "
     "L40S datasheet: 96 MB",
+    "tensor_tflops": "dense BF16 tensor-core peaks (without 2:4 sparsity): A100 312 (A100 datasheet), H100 SXM "
+    "989.4 (H100 whitepaper), H200 989.4 (its GH100 die's: H200 datasheet, 1979 with sparsity), B200 2250 "
+    "(HGX B200 at 1000 W: NVIDIA's figures, 4500 with sparsity), L40S 362.05 (L40S datasheet, 733 with "
+    "sparsity)",
     "l2_read_tbps": "L2 read bandwidth measured with te42kyfo/gpu-benches (gpu-l2-cache): A100-80GB ~5.4 TB/s, "
     "H100 PCIe ~6.9 TB/s; B200 and L40S assumed: H100's bytes per SM per clock (29.8) x SMs x clock, unmeasured",
 }

@@ -27,7 +27,14 @@ from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, STAGES, combine_fo
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.l2 import hbm_share
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _shared_clock, _stream_rates, lean_reads, segment_bytes
+from lean_tp.tools.simulate.schedules import (
+    Schedule,
+    _shared_clock,
+    _stream_rates,
+    compute_roof,
+    lean_reads,
+    segment_bytes,
+)
 
 # Measured time of one 64-key iteration of a 64-row head unit, one program an SM: an H200 ran
 # DeepSeek-V3's 128 heads (two units a token), bf16, 32k keys, in 668.6 us at B=32 and 2721 us at
@@ -68,9 +75,10 @@ def gluon_sim_schedule(problem: Problem, gpu: GPUModel) -> Schedule:
     n_on_sm = [int(sm < len(programs)) for sm in range(gpu.sms)]
     block = BLOCK_N * bpt
     blocks, loop = (block, GLUON_BLOCKS_IN_FLIGHT * block), GLUON_LOOP_US.get(gpu.arch)
+    roof = compute_roof(problem, gpu, ROWS)
 
     def clocks_at(from_hbm: float) -> list:
-        rates = _stream_rates(n_on_sm, problem, gpu, 1, from_hbm, loop, blocks=blocks)
+        rates = _stream_rates(n_on_sm, problem, gpu, 1, from_hbm, loop, blocks=blocks, roof=roof)
         return [_shared_clock([sum(seg_bytes[p])], rates[p] or 1.0) for p in range(len(programs))]
 
     clocks = clocks_at(1.0)

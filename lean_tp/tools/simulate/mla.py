@@ -2,8 +2,9 @@
 Triton MLA, each constant with its source (``MLA_PEER_CONSTANTS``).
 
 Each peer's CTAs read their key ranges through the simulator's memory model (``_cta_schedule``,
-re-reads credited to the L2 by ``l2.hbm_share``), and each merges its split outputs as its code
-does: a chain of dependent L2 loads in one CTA per output (``_serial_reduce``), after a second
+re-reads credited to the L2 by ``l2.hbm_share``), no faster than their SM's tensor cores compute
+their tile's rows (``compute_roof``: what binds under DP attention's 128 heads), and each merges
+its split outputs as its code does: a chain of dependent L2 loads in one CTA per output (``_serial_reduce``), after a second
 launch or, for FlashInfer, after a grid barrier inside its persistent kernel.
 """
 
@@ -20,7 +21,14 @@ from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.tools.gpus import GPUModel
 from lean_tp.tools.simulate.problems import Problem
-from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _merge_level_us, _serial_reduce, partial_bytes
+from lean_tp.tools.simulate.schedules import (
+    Schedule,
+    _cta_schedule,
+    _merge_level_us,
+    _serial_reduce,
+    compute_roof,
+    partial_bytes,
+)
 
 # FlashMLA (deepseek-ai/FlashMLA 9241ae3): its scheduler (csrc/smxx/decode/get_decoding_sched_meta/
 # get_decoding_sched_meta.cu, one CTA of 32 threads, run once a step and reused by every layer:
@@ -32,6 +40,10 @@ from lean_tp.tools.simulate.schedules import Schedule, _cta_schedule, _merge_lev
 # then one split's 512 fp32 at a time (``#pragma unroll 1``, the next split loaded after this
 # one's sums): 1 + splits dependent L2 loads.
 FLASHMLA_BLOCK_M, FLASHMLA_BLOCK_N, FLASHMLA_OVERHEAD = 64, 64, 5
+# FlashMLA's compute-bound rate, as its README publishes it: up to 660 TFLOP/s on an H800 SXM5
+# (the H100 SXM's 132 SMs and clocks), taken for every sm_90 part. Elsewhere its schedule stands
+# in for the part's own MLA kernel (its dense decode is sm_90's only), at the part's peak.
+FLASHMLA_SM90_TFLOPS = 660.0
 FLASHMLA_COMBINE_HEADS, FLASHMLA_COMBINE_IN_FLIGHT = 8, 1
 # vLLM's Triton MLA (vllm 0.33.0 vllm/v1/attention/backends/mla/triton_mla.py and
 # vllm/v1/attention/ops/triton_decode_attention.py): 16 query heads a CTA; the batch's longest
@@ -43,8 +55,10 @@ TRITON_MLA_BLOCK_H, TRITON_MLA_MIN_SPLIT, TRITON_MLA_SPLITS_PER_SM, TRITON_MLA_R
 # metadata.py and decode_attention.py): at most max(8, min(next_pow2(SMs), next_pow2(context_len /
 # 32))) splits (_mla_decode_kv_splits_cap); per request get_num_kv_splits_triton's two rules;
 # a split ceil(len / splits) rounded up to 32 keys; 16 heads a CTA; stage 2 a tl.range(num_stages=2)
-# loop per (row, head).
+# loop per (row, head). With an e4m3 cache its dots take e4m3 operands, at twice the 16-bit rate
+# (dense FP8 against BF16 tensor peaks: H100 whitepaper, 1979 against 989.4 TFLOP/s).
 SGLANG_MLA_BASE_SPLITS, SGLANG_MLA_MIN_BLOCK_KV, SGLANG_MLA_BLOCK_H, SGLANG_MLA_REDUCE_IN_FLIGHT = 8, 32, 16, 2
+SGLANG_MLA_FP8_DOT_SPEEDUP = 2
 # FlashInfer's Hopper MLA (flashinfer 0.6.18 include/flashinfer/attention/mla_hopper.cuh and
 # scheduler.cuh MLAPlan): a persistent cooperative grid of SMs CTAs of 64 rows x 64 keys, in
 # clusters of 2 CTAs (the same keys, 64 rows each) when a request packs more than 64 rows; KV
@@ -87,6 +101,10 @@ MLA_PEER_CONSTANTS = [
      "csrc/smxx/decode/combine/combine.cu (a warp a head, #pragma unroll 1 over splits, PDL)"),
     ("FlashMLA", "latent caches (dense decode)", "q's dtype, bf16 or fp16; no e4m3 (its fp8 cache is sparse decode's)",
      "csrc/api/dense_decode.h (kcache.dtype() == q_dtype), flash_mla/flash_mla_interface.py (is_fp8_kvcache)"),
+    ("FlashMLA", "compute rate", "660 TFLOP/s on sm_90 (H800 SXM5, as published); elsewhere the part's peak",
+     "README (Performance Update 2025.04.22)"),
+    ("every peer", "compute rate", "the GPU's dense 16-bit tensor peak (FlashMLA: its own), for its tile's rows, padding included",
+     "lean_tp/tools/gpus.py MODEL_SOURCES (tensor_tflops)"),
     ("FlashInfer MLA", "CTA tile; cluster", "64 rows x 64 keys; 2 CTAs when a request packs > 64 rows",
      "flashinfer 0.6.18 include/flashinfer/attention/mla_hopper.cuh, scheduler.cuh (MLAPlan)"),
     ("FlashInfer MLA", "kv_len_limit", "f(ceil(sum of keys x q tiles / clusters)): 32, 64, 128, 192, else 256s",
@@ -107,6 +125,8 @@ MLA_PEER_CONSTANTS = [
     ("SGLang Triton MLA", "stage 2: splits in flight", "2 (always launched)", "decode_attention.py (_fwd_kernel_stage2)"),
     ("SGLang Triton MLA", "e4m3 latent cache", "Triton's fp8e4nv, compiled from sm_89; q and P cast to e4m3 for the dots",
      "decode_attention.py (q.to(K_Buffer.dtype.element_ty)); triton backends/nvidia/compiler.py (supported_fp8_dtypes)"),
+    ("SGLang Triton MLA", "e4m3 compute rate", "2x the 16-bit peak (e4m3 dots)",
+     "H100 whitepaper: dense FP8 1979, BF16 989.4 TFLOP/s"),
 ]  # fmt: skip
 
 
@@ -156,7 +176,8 @@ def flashmla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | No
     ]  # fmt: skip
     rows = _rows(problem)
     partials = sum(n for n in split if n > 1) * rows * problem.n_kv_heads  # the combine reads split requests' only
-    sched = _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), partials, programs_per_sm)
+    roof = compute_roof(problem, gpu, FLASHMLA_BLOCK_M, FLASHMLA_SM90_TFLOPS if gpu.arch == "sm90" else None)
+    sched = _cta_schedule("flashmla", problem, gpu, ctas, max(split, default=1), partials, programs_per_sm, roof)
     heads = min(FLASHMLA_COMBINE_HEADS, rows)
     # Launched programmatically dependent: the decode kernel's end is one L2 round trip away.
     return _serial_reduce(sched, max(split, default=1), FLASHMLA_COMBINE_IN_FLIGHT,
@@ -189,9 +210,8 @@ def triton_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | 
         for per in (math.ceil(n / splits),)
         for k0, k1 in ((min(n, s * per), min(n, (s + 1) * per)),)
     ]
-    sched = _cta_schedule(
-        "triton_mla", problem, gpu, ctas, splits, len(rows) * splits * problem.n_heads, programs_per_sm
-    )
+    partials, roof = len(rows) * splits * problem.n_heads, compute_roof(problem, gpu, TRITON_MLA_BLOCK_H)
+    sched = _cta_schedule("triton_mla", problem, gpu, ctas, splits, partials, programs_per_sm, roof)
     return _serial_reduce(sched, splits, TRITON_MLA_REDUCE_IN_FLIGHT, partial_bytes(problem, 4), gpu)
 
 
@@ -228,7 +248,9 @@ def sglang_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: int | 
                 k0, k1 = min(n, s * per), min(n, (s + 1) * per)
                 if s < count:
                     ctas.append((k1 - k0, b, [(b, 0, k0, k1 - k0)]))
-    sched = _cta_schedule("sglang_mla", problem, gpu, ctas, most, sum(splits) * problem.n_heads, programs_per_sm)
+    speedup = SGLANG_MLA_FP8_DOT_SPEEDUP if problem.elem_size == 1 else 1
+    roof = compute_roof(problem, gpu, SGLANG_MLA_BLOCK_H, speedup * gpu.tensor_tflops)
+    sched = _cta_schedule("sglang_mla", problem, gpu, ctas, most, sum(splits) * problem.n_heads, programs_per_sm, roof)
     return _serial_reduce(sched, most, SGLANG_MLA_REDUCE_IN_FLIGHT, partial_bytes(problem, 4), gpu)
 
 
@@ -261,7 +283,8 @@ def flashinfer_mla_schedule(problem: Problem, gpu: GPUModel, programs_per_sm: in
                     work[c].append((b, h, k0, max(0, min(limit, n - k0))))
             chunks[b] = math.ceil(n / limit) if n > limit else 1
     ctas = [(sum(p[3] for p in work[c]), c, work[c]) for c in range(clusters) for _ in range(cluster)]
-    sched = _cta_schedule("flashinfer_mla", problem, gpu, ctas, max(chunks), 0, programs_per_sm)
+    roof = compute_roof(problem, gpu, FLASHINFER_MLA_TILE_Q)
+    sched = _cta_schedule("flashinfer_mla", problem, gpu, ctas, max(chunks), 0, programs_per_sm, roof)
     split_rows = sum(rows * problem.n_kv_heads for n in chunks if n > 1)
     if not split_rows:
         return sched

@@ -145,6 +145,7 @@ def _stream_rates(
     loop: float | None = None,
     variant: KernelVariant | None = None,
     blocks: tuple[int, int] | None = None,
+    roof: float = float("inf"),
 ) -> list[float]:
     """Bytes per microsecond each SM streams K/V at with n_on_sm[sm] programs (or CTAs) resident at
     most ``programs_per_sm``: Little's law per SM, capped by its L2 port, all SMs sharing in
@@ -154,7 +155,8 @@ def _stream_rates(
     default variant; ``loop`` (µs an iteration of such a block, ``gpus.LOOP_US``) caps each
     program at a block an iteration where the kernel's loop is measured to be slower than its
     bytes. ``blocks``: (a block's bytes, bytes in flight) of a kernel that is not a variant (the
-    Gluon MLA kernel's: ``gluon.py``)."""
+    Gluon MLA kernel's: ``gluon.py``). ``roof``: the most an SM streams at, its tensor cores'
+    (``compute_roof``)."""
     if blocks:
         block, in_flight = blocks
     else:
@@ -162,10 +164,21 @@ def _stream_rates(
         block = variant.constexprs["BLOCK_N"] * problem.bytes_per_token
         in_flight = max(1, variant.config.num_stages - 1) * block
     per_program = min(in_flight / gpu.hbm_latency_us, block / loop if loop else float("inf"))
-    want = [min(gpu.l2_port_gbps * 1e3, min(n, programs_per_sm) * per_program) for n in n_on_sm]
+    want = [min(gpu.l2_port_gbps * 1e3, roof, min(n, programs_per_sm) * per_program) for n in n_on_sm]
     device = min(gpu.l2_read_tbps, gpu.hbm_tbps / from_hbm) * 1e6
     share = min(1.0, device / max(sum(want), 1e-9))
     return [w * share for w in want]
+
+
+def compute_roof(problem: Problem, gpu: GPUModel, rows: int, tflops: float | None = None) -> float:
+    """Bytes per microsecond of K/V an SM streams at most when its programs compute ``rows`` query
+    rows (their tile, padding included) for each key, both products on the tensor cores at
+    ``tflops`` (the GPU's dense 16-bit peak unless given: ``GPUModel.tensor_tflops``): 2 x rows x
+    (head_dim + V's width) FLOP a key. Binds MLA's wide blocks only: at 128 heads a key costs 278
+    KFLOP for its 1152 bytes; a GQA head's few rows leave it far above what memory gives."""
+    flops_per_key = 2 * rows * (problem.head_dim + (problem.head_dim_v or problem.head_dim))
+    sm_flops_per_us = (tflops or gpu.tensor_tflops) * 1e6 / gpu.sms
+    return sm_flops_per_us / flops_per_key * problem.bytes_per_token
 
 
 def _shared_clock(works: list[float], rate: float):
@@ -241,9 +254,10 @@ def lean_sim_schedule(
     seg_bytes = segment_bytes(programs, lens, tile, bytes_per_token)
 
     loop = loop_us(gpu, problem.head_dim, problem.elem_size, cx["BLOCK_G"], cx["BLOCK_N"])
+    roof = compute_roof(problem, gpu, cx["BLOCK_G"])
 
     def clocks_at(from_hbm: float) -> list:
-        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop, variant)
+        rates = _stream_rates(n_on_sm, problem, gpu, per_sm, from_hbm, loop, variant, roof=roof)
         return [
             _shared_clock([sum(seg_bytes[p]) for p in range(sm, len(programs), sms)], rates[sm] or 1.0)
             for sm in range(sms)
@@ -421,12 +435,14 @@ def _cta_schedule(
     splits: int,
     partials: int,
     programs_per_sm: int | None = None,
+    roof: float = float("inf"),
 ) -> Schedule:
     """CTAs, each (tokens, output) in launch order, or (tokens, output, pieces) where several CTAs
     read the same keys, pieces being the (request, KV head, first key, keys) ranges it reads in
     order (``l2.hbm_share`` then credits re-reads), dispatched to the least-loaded SM (an empty
     one exits at once); then, with ``partials`` (partials of V's width, of every sequence) above
-    0, a combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port."""
+    0, a combine kernel: a launch gap, two dependent L2 reads, the partials over every SM's port.
+    ``roof``: the most an SM streams at, its tensor cores' (``compute_roof``)."""
     sms = gpu.sms
     load = [(0, sm) for sm in range(sms)]
     work, bars, on_sm, placed = [0] * sms, [], [0] * sms, []
@@ -442,7 +458,7 @@ def _cta_schedule(
             placed.append((sm, start, request, kv_head, k0, keys))
             start += keys
     per_sm = programs_per_sm or lean_variant(problem, gpu).config.max_programs_per_sm
-    rates = _stream_rates(on_sm, problem, gpu, per_sm)
+    rates = _stream_rates(on_sm, problem, gpu, per_sm, roof=roof)
     bytes_per_token = problem.bytes_per_token
     if placed:
         reads = [
@@ -453,7 +469,7 @@ def _cta_schedule(
                 lambda keys, sm=sm, start=start: (start + keys) * bytes_per_token / (rates[sm] or 1.0),
             )
         ]  # fmt: skip
-        rates = _stream_rates(on_sm, problem, gpu, per_sm, hbm_share(reads, gpu))
+        rates = _stream_rates(on_sm, problem, gpu, per_sm, hbm_share(reads, gpu), roof=roof)
     kernel = max((gpu.hbm_latency_us + w * bytes_per_token / r for w, r in zip(work, rates) if w), default=0.0)
     combine = 0.0
     if partials and any(work):  # no CTA wrote a partial: nothing to combine
