@@ -9,7 +9,8 @@ SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lea
 
 Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact
 against float64, 1328 us for 66 sequences of 128 heads and 32k keys against the Triton kernel's
-2549, 2.59 us a 64-key iteration of an SM (docs/mla.md)."""
+2549, 2.59 us a 64-key iteration of an SM (docs/mla.md). On a GPU it also prints one sequence's
+call by kernel (``breakdown_on_gpu``)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,48 @@ def run_on_gpu(n_keys: int) -> list[str]:
     return lines
 
 
+def kernel_times_us(fn, calls: int = 10) -> dict[str, float]:
+    """Device microseconds a call of ``fn`` spends in each kernel it launches (torch.profiler over
+    ``calls`` calls, after one that compiles and warms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def breakdown_line(label: str, times: dict[str, float]) -> str:
+    """One line of ``kernel_times_us``: each kernel's time a call, the longest first, and their sum."""
+    kernels = ", ".join(
+        f"{name.split('(')[0][:48]} {us:.1f} us" for name, us in sorted(times.items(), key=lambda t: -t[1])
+    )
+    return f"{label}: device time a call {sum(times.values()):.1f} us ({kernels})"
+
+
+def breakdown_on_gpu(n_keys: int) -> list[str]:
+    """Where one sequence's call goes, kernel by kernel (DeepSeek-V3's 128 heads, 4k and ``n_keys``
+    keys): the Gluon kernel with its schedule computed once a step, and ``lean_tp.decode_attention``
+    routing the call to it (its schedule a launch of the call). Graph replays of these calls took
+    38.6 us at 4k and 60.3 at 32k on the H200, where the simulator gives 8.2 and 32.0 (docs/mla.md)."""
+    import lean_tp
+
+    lines = []
+    for keys in (4096, n_keys):
+        problem = paged_problem([keys], heads=128)
+        step = mla_gluon_schedule(problem[2], problem[3], 128)
+        args = dict(lean_inputs(*problem), softmax_scale=(DV + DR) ** -0.5)
+        for label, fn in (
+            ("mla_decode_gluon", lambda: mla_decode_gluon(*problem, schedule=step)),
+            ("lean_tp.decode_attention", lambda: lean_tp.decode_attention(**args)),
+        ):
+            lines.append(breakdown_line(f"1 sequence x 128 heads x {keys} keys, {label}", kernel_times_us(fn)))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=32768, help="keys a sequence, on a GPU (32768)")
@@ -164,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(stats_line(compiled_stats()))
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        print("\n".join(run_on_gpu(args.keys)))
+        print("\n".join(run_on_gpu(args.keys) + breakdown_on_gpu(args.keys)))
     else:
         print("no sm_90 GPU: compiled statistics only")
     return 0

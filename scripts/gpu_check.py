@@ -200,8 +200,9 @@ def loop_results(out: str) -> dict[str, str]:
 
 def _mla_probe_line(line: str) -> bool:
     """A line the record keeps of an MLA kernel's script: its compiled statistics, its checks
-    against float64, its times a 64-key iteration."""
-    return line.startswith(("sm_90:", "no sm_90")) or "float64" in line or "-key iteration" in line
+    against float64, its times a 64-key iteration, and its calls' time by kernel."""
+    keep = ("float64", "-key iteration", "device time a call")
+    return line.startswith(("sm_90:", "no sm_90")) or any(k in line for k in keep)
 
 
 def write_record(out: str, env: dict, steps: list[dict], found_packages: dict[str, str]) -> str:

@@ -65,6 +65,13 @@ def test_the_gluon_mla_kernel_compiles_for_sm90_within_its_budget():
     assert 0 < stats["loop_sass"] < 670, stats
 
 
+def test_a_calls_kernel_breakdown_reads_longest_first():
+    """The benchmark's line of a call's device time by kernel (``breakdown_on_gpu``, GPU only):
+    kernels by name without their arguments, the longest first, and their sum; gpu_check keeps it."""
+    line = _script().breakdown_line("B=1", {"combine(float*)": 2.0, "mla_decode_gluon_kernel": 5.0})
+    assert line == "B=1: device time a call 7.0 us (mla_decode_gluon_kernel 5.0 us, combine 2.0 us)"
+
+
 def test_the_seesaw_probe_compiles_for_sm90():
     """benchmarks/mla_decode_seesaw.py (FlashMLA's schedule in two warp-specialized groups; not
     run on a GPU yet) compiles for sm_90 within an H100 block's shared memory, both groups at 256
