@@ -4,8 +4,9 @@ Triton MLA, each constant with its source (``MLA_PEER_CONSTANTS``).
 Each peer's CTAs read their key ranges through the simulator's memory model (``_cta_schedule``,
 re-reads credited to the L2 by ``l2.hbm_share``), no faster than their SM's tensor cores compute
 their tile's rows (``compute_roof``: what binds under DP attention's 128 heads), and each merges
-its split outputs as its code does: a chain of dependent L2 loads in one CTA per output (``_serial_reduce``), after a second
-launch or, for FlashInfer, after a grid barrier inside its persistent kernel.
+its split outputs as its code does: a chain of dependent L2 loads in one CTA per output
+(``_serial_reduce``), after a second launch or, for FlashInfer, after a grid barrier inside its
+persistent kernel.
 """
 
 from __future__ import annotations

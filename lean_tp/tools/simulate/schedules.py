@@ -174,8 +174,12 @@ def compute_roof(problem: Problem, gpu: GPUModel, rows: int, tflops: float | Non
     """Bytes per microsecond of K/V an SM streams at most when its programs compute ``rows`` query
     rows (their tile, padding included) for each key, both products on the tensor cores at
     ``tflops`` (the GPU's dense 16-bit peak unless given: ``GPUModel.tensor_tflops``): 2 x rows x
-    (head_dim + V's width) FLOP a key. Binds MLA's wide blocks only: at 128 heads a key costs 278
-    KFLOP for its 1152 bytes; a GQA head's few rows leave it far above what memory gives."""
+    (head_dim + V's width) FLOP a key. Binds where a program computes many rows a key: MLA's wide
+    blocks (at 128 heads a key costs 278 KFLOP for its 1152 bytes) and long verifications' blocks
+    of Tq x group rows (the A100's 64-row blocks at D=128, Tq 16); one-token GQA decode's few rows
+    leave it far above what memory gives. sm_90's 128-row MLA blocks in column halves compute half
+    of V's width a unit, so this counts their products high; their loop is measured, and runs below
+    it."""
     flops_per_key = 2 * rows * (problem.head_dim + (problem.head_dim_v or problem.head_dim))
     sm_flops_per_us = (tflops or gpu.tensor_tflops) * 1e6 / gpu.sms
     return sm_flops_per_us / flops_per_key * problem.bytes_per_token
