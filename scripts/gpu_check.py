@@ -119,9 +119,9 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         )
     if "bench" in groups:
         # The Gluon MLA kernel (lean_tp.ops.mla_gluon): its CUDA test (ragged lengths, splits, NaN
-        # pages, and decode_attention's route to it, compiled and in a CUDA graph: 5 kernel
-        # compiles and 2 torch.compile), then exact against float64 and timed beside lean
-        # (benchmarks/mla_decode_gluon.py).
+        # pages, 16-bit and e4m3 pools, and decode_attention's route to it, compiled and in a CUDA
+        # graph: 6 kernel compiles and 2 torch.compile), then exact against float64 and timed
+        # beside lean (benchmarks/mla_decode_gluon.py).
         gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
         steps.append(("mla decode gluon tests", gluon_test, 180))
         steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
@@ -202,7 +202,7 @@ def _mla_probe_line(line: str) -> bool:
     """A line the record keeps of an MLA kernel's script: its compiled statistics, its checks
     against float64, its times a 64-key iteration, and its calls' time by kernel."""
     keep = ("float64", "-key iteration", "device time a call")
-    return line.startswith(("sm_90:", "no sm_90")) or any(k in line for k in keep)
+    return line.startswith(("sm_90", "no sm_90")) or any(k in line for k in keep)
 
 
 def write_record(out: str, env: dict, steps: list[dict], found_packages: dict[str, str]) -> str:

@@ -41,12 +41,13 @@ def _script():
     return script
 
 
-def _compiled_stats(script: Path) -> dict:
+def _compiled_stats(script: Path, *flags: str) -> dict:
     """A benchmark script's compiled statistics (``--json``), compiled in a process of its own with
     the interpreter off: after an interpreted launch in the same process, triton 3.7.1 fails to
     compile a Gluon kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, env=env, timeout=300)
+    cmd = [sys.executable, str(script), "--json", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -70,6 +71,20 @@ def test_a_calls_kernel_breakdown_reads_longest_first():
     kernels by name without their arguments, the longest first, and their sum; gpu_check keeps it."""
     line = _script().breakdown_line("B=1", {"combine(float*)": 2.0, "mla_decode_gluon_kernel": 5.0})
     assert line == "B=1: device time a call 7.0 us (mla_decode_gluon_kernel 5.0 us, combine 2.0 us)"
+
+
+def test_the_gluon_mla_kernel_for_an_e4m3_pool_compiles_for_sm90():
+    """With an e4m3 pool (``FP8``) each block is copied in bytes, converted to bf16 in shared memory
+    by all 8 warps and multiplied as the 16-bit kernel multiplies it: the same shared memory (the
+    two fp8 buffers and the bf16 copy take what two bf16 buffers took), the same HGMMA shapes,
+    and in the loop a conversion a value (64 x 576 of a block over 256 threads: 144 F2F and 72
+    F2FP a thread). The loop reloads words from local memory, mostly loop-invariant ones: the
+    bound below holds it at the 17 of triton 3.7.1."""
+    stats = _compiled_stats(SCRIPT, "--fp8")
+    assert stats["registers"] <= 255 and stats["loop_local"] <= 17, stats
+    assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
+    assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x32x16.F32.BF16"], stats
+    assert stats["conversions"] == 64 * 576 // 256 * 3 // 2, stats
 
 
 def test_the_seesaw_probe_compiles_for_sm90():
@@ -176,16 +191,17 @@ def test_partials_written_as_the_kernel_walks_merge_into_float64(heads, tq, num_
     torch.testing.assert_close(lse.double().view_as(ref_lse), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_lean_is_timed_on_the_gluon_kernels_problem():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lean_is_timed_on_the_gluon_kernels_problem(fp8):
     """The script times lean's Triton kernel (``decode_attention_fwd``, interpreted here) on
-    ``lean_inputs``: the same rows, pages, lengths and scale as the Gluon kernel, so its output
-    matches the kernel's float64 reference. The pool's rows no sequence holds are NaN, as
-    ``paged_problem`` builds it for the GPU test."""
+    ``lean_inputs``: the same rows, pages, lengths, scale and (for an e4m3 pool) fp8 scales as the
+    Gluon kernel, so its output matches the kernel's float64 reference. The pool's rows no sequence
+    holds are NaN, as ``paged_problem`` builds it for the GPU test."""
     from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 
     script = _script()
-    problem = script.paged_problem([0, 37, 64, 130], heads=64, device="cpu")
-    assert problem[1].isnan().any()  # the rest of a last page, and the page past every table's end
+    problem = script.paged_problem([0, 37, 64, 130], heads=64, device="cpu", fp8=fp8)
+    assert problem[1].float().isnan().any()  # the rest of a last page, and the page past every table's end
     ref_out, ref_lse = script.reference(*problem)
     out, lse = decode_attention_fwd(**script.lean_inputs(*problem), softmax_scale=(DV + DR) ** -0.5)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
@@ -203,6 +219,21 @@ def test_lean_is_timed_on_the_gluon_kernels_problem():
         (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table: expected int32"),
         (dict(cache_seqlens=torch.zeros(2, 2, dtype=torch.int32)[:, 0]), ValueError, "cache_seqlens: expected contig"),
         (dict(block_table=torch.zeros(4, 2, dtype=torch.int32).t()), ValueError, "block_table: expected rows contig"),
+        (dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e5m2)), TypeError, "q, pool: expected bfloat16 and"),
+        (dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)), ValueError, "k_scale: expected a .1,. float32"),
+        (dict(k_scale=torch.ones(1)), ValueError, "k_scale: expected None with a torch.bfloat16 pool"),
+        (dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn), k_scale=torch.ones(1)), ValueError, "v_scale"),
+        (dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn), k_scale=0.5), ValueError, "k_scale: .*got 0.5"),
+        (
+            dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn), k_scale=torch.ones(2), v_scale=torch.ones(1)),
+            ValueError,
+            r"k_scale: .*got torch.float32 \(2,\)",
+        ),
+        (
+            dict(pool=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn), k_scale=torch.ones(1), v_scale=torch.ones(1)),
+            ValueError,
+            "q: expected a tensor on an sm_90",
+        ),
     ],
 )
 def test_bad_input_is_refused_by_name(change, error, name):

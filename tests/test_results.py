@@ -113,8 +113,8 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(sample))
     (tmp_path / "decode_tp 8b eager lean.log").write_text("noise\ndecode: 12.3 ms/step\n")
     (tmp_path / "mla decode gluon.log").write_text(
-        "noise\nsm_90: 193 registers\n1 sequence x 128 heads x 4096 keys, mla_decode_gluon: device time a call 20.0 us"
-        " (k 20.0 us)\n"
+        "noise\nsm_90, bf16 pool: 193 registers\nsm_90, e4m3 pool: 200 registers\n"
+        "1 sequence x 128 heads x 4096 keys, mla_decode_gluon: device time a call 20.0 us (k 20.0 us)\n"
     )
     (tmp_path / "mla decode seesaw.log").write_text(
         "noise\nragged lengths: max |out - float64| 4.0e-03\n66 x 128: seesaw 900.0 us (1.76 us a 64-key iteration)\n"
@@ -126,8 +126,8 @@ def test_gpu_check_record_merges_benchmark_and_steps(sample, tmp_path):
     assert record["rows"] == sample["rows"] and record["steps"] == steps
     assert record["loops"] == {
         "decode_tp llama-3-8b eager lean": "decode: 12.3 ms/step",
-        "mla decode gluon": "sm_90: 193 registers | 1 sequence x 128 heads x 4096 keys, mla_decode_gluon: device time a "
-        "call 20.0 us (k 20.0 us)",
+        "mla decode gluon": "sm_90, bf16 pool: 193 registers | sm_90, e4m3 pool: 200 registers | 1 sequence x 128 "
+        "heads x 4096 keys, mla_decode_gluon: device time a call 20.0 us (k 20.0 us)",
         "mla decode seesaw": "ragged lengths: max |out - float64| 4.0e-03 | 66 x 128: seesaw 900.0 us (1.76 us a 64-key iteration)",
     }
     assert "| pytest tests/gpu | PASS | 61 |" in results.table(record)

@@ -2,8 +2,9 @@
 lengths around its 64-key tile (0 to 4099) in one launch, on shuffled 64-row pages whose rows no
 sequence holds are NaN (the rest of a last page must be neither read into a score nor multiplied
 into the output), with 64 and 128 heads and 1 to 4 query tokens, over grids that leave outputs
-whole or split them over programs (the merge); and ``lean_tp.decode_attention`` routing DP
-attention's calls there (``gluon_takes``), eager, compiled and replayed from a CUDA graph.
+whole or split them over programs (the merge), from 16-bit and e4m3 pools; and
+``lean_tp.decode_attention`` routing DP attention's calls there (``gluon_takes``), eager, compiled
+and replayed from a CUDA graph.
 
 Skipped without an sm_90 device; ``python scripts/gpu_check.py`` runs it on a GPU.
 """
@@ -35,6 +36,21 @@ def test_mla_decode_gluon_matches_float64(heads, tq, num_programs):
     q, pool, seqlens, table = mla_decode_gluon.paged_problem(lens, heads=heads, seed=heads + tq, tq=tq)
     out, lse = decode(q, pool, seqlens, table, num_programs=num_programs)
     ref_out, ref_lse = mla_decode_gluon.reference(q, pool, seqlens, table)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,tq", [(128, 1), (64, 2)])
+@pytest.mark.parametrize("num_programs", [2, None])
+def test_mla_decode_gluon_reads_an_e4m3_pool(heads, tq, num_programs):
+    """The same lengths from an e4m3 pool (NaN past every sequence's end, as above), its blocks
+    converted to bf16 in shared memory: k_scale in the score and v_scale in the output (two values,
+    so a scale on the wrong product fails), whole and split outputs."""
+    lens = [0, 1, 63, 64, 65, 1000, 4099, 130]
+    problem = mla_decode_gluon.paged_problem(lens, heads=heads, seed=heads + tq, tq=tq, fp8=True)
+    assert problem[1].dtype == torch.float8_e4m3fn
+    out, lse = decode(*problem, num_programs=num_programs, **mla_decode_gluon.fp8_scales(problem[1]))
+    ref_out, ref_lse = mla_decode_gluon.reference(*problem)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
 

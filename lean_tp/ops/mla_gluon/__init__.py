@@ -6,7 +6,9 @@ schedule ``mla_gluon_schedule`` computes once a step.
 where the plan routes it (``launcher.gluon_takes``): 16-bit latent caches in 64-row pages, heads
 in 64-row blocks, up to 16 query tokens a sequence, and a tuning entry that sets
 ``DecodeConfig.gluon_rows``: sm_90's 16-bit MLA entry routes 128 rows (Tq x heads) and more,
-DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md).
+DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md). The kernel
+also reads e4m3 pools (``mla_decode_gluon`` with ``k_scale`` and ``v_scale``); no call is routed
+there until a GPU has timed it against the Triton kernel (benchmarks/mla_decode_gluon.py).
 """
 
 from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule

@@ -12,10 +12,16 @@ score S = q K^T (each group 32 of the 64 keys, q read from shared memory by ``wa
 and P.V (each group 256 of the 512 output columns, P through shared memory, V the block's latent
 columns). An output no other program shares is stored normalized in bf16 with its lse; a split
 one's fp32 partial goes to the program's workspace slot for ``combine.mla_combine_kernel``.
+
+An e4m3 pool (``FP8``) is copied in bytes, half a 16-bit block's, into the same two buffers; all
+8 warps convert each block into one bf16 copy (exact: every e4m3 value is a bf16 one), which both
+products read as they read a 16-bit block, and the block's buffer is reloaded as soon as it is
+converted. The two 36 KB buffers and the 72 KB copy take the shared memory two 72 KB buffers take.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,6 +52,8 @@ def mla_decode_gluon_kernel(
     lse_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     range_ptr,
     seqlens_ptr,
     block_table_ptr,
@@ -57,6 +65,7 @@ def mla_decode_gluon_kernel(
     TQ: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    FP8: gl.constexpr,
 ):
     """q rows of head unit (b, hu): [64 (b HU + hu), +64) of qn_desc ([R, 512] blocks) and qr_desc
     ([R, 64] at column 512); key j of sequence b on page block_table[b, j // 64] of the pool
@@ -65,7 +74,10 @@ def mla_decode_gluon_kernel(
     outputs this program holds whole; part_out [programs, 2, 64, 512] and part_lse
     [programs, 2, 64] fp32 of the split ones, in slot 0 for the program's first segment and 1 for
     its last. Rows are (token, head) of TQ query tokens a sequence, HU // TQ units a token; token t
-    sees keys [0, seqlens[b] - TQ + t]. scale_log2: the softmax scale times log2(e)."""
+    sees keys [0, seqlens[b] - TQ + t]. scale_log2: the softmax scale times log2(e). ``FP8``: the
+    pool is float8_e4m3fn (the descriptors' type), each row's value its bytes times k_scale[0] in
+    the score and v_scale[0] in the output (both fp32); each block is converted to bf16 in shared
+    memory before its products (``_convert_block``)."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     # Warp group g computes keys [g BLOCK_N / 2, (g + 1) BLOCK_N / 2) of the score and columns
@@ -79,6 +91,18 @@ def mla_decode_gluon_kernel(
     qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars, kr_bars = _allocate(
         qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N, STAGES
     )
+    # An fp8 pool's blocks land in kn_smem/kr_smem as bytes; both products read a bf16 copy.
+    cvt = (kn_smem, kr_smem)
+    if FP8:
+        cvt = (
+            gl.allocate_shared_memory(
+                gl.bfloat16, [BLOCK_N, DV], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
+            ),
+            gl.allocate_shared_memory(
+                gl.bfloat16, [BLOCK_N, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
+            ),
+        )
+        scale_log2 = scale_log2 * gl.load(k_scale_ptr)
     pid = gl.program_id(0)
     place = range_ptr + pid * RANGE_FIELDS
     t0 = gl.load(place + 0)
@@ -112,15 +136,15 @@ def mla_decode_gluon_kernel(
         if n_blocks > 0:
             m_i, l_i, acc = _segment(
                 qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars,
-                kr_bars, row0, block_table_ptr + b * table_stride + tile, n_blocks,
+                kr_bars, cvt, row0, block_table_ptr + b * table_stride + tile, n_blocks,
                 unit_len - (tile + n_blocks - 1) * BLOCK_N, done, segments, scale_log2, m_i, l_i, acc,
-                BLOCK_N, STAGES,
+                BLOCK_N, STAGES, FP8,
             )  # fmt: skip
             segments += 1
         if split:
-            _store(part_out_ptr, part_lse_ptr, dest, m_i, l_i, acc)
+            _store(part_out_ptr, part_lse_ptr, dest, m_i, l_i, acc, v_scale_ptr, FP8)
         else:
-            _store(out_ptr, lse_ptr, dest, m_i, l_i, acc)
+            _store(out_ptr, lse_ptr, dest, m_i, l_i, acc, v_scale_ptr, FP8)
         done += n_blocks
         t = seg_end
         b, hu, seq_len = next_unit(b, hu, seq_len, seqlens_ptr, B, HU, t < t1, LANES)
@@ -133,15 +157,16 @@ def mla_decode_gluon_kernel(
 
 @gluon.jit
 def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The program's shared memory: q's two parts, STAGES K/V buffers (latent and rope parts), P,
-    and the copies' barriers, initialized."""
+    """The program's shared memory: q's two parts, STAGES K/V buffers (latent and rope parts, in
+    the pool's type), P, and the copies' barriers, initialized."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
+    kv_type: gl.constexpr = kn_desc.block_type.element_ty
     qn_smem = gl.allocate_shared_memory(gl.bfloat16, [M, DV], qn_desc.layout)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [M, DR], qr_desc.layout)
-    kn_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], kn_desc.layout)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], kr_desc.layout)
+    kn_smem = gl.allocate_shared_memory(kv_type, [STAGES, BLOCK_N, DV], kn_desc.layout)
+    kr_smem = gl.allocate_shared_memory(kv_type, [STAGES, BLOCK_N, DR], kr_desc.layout)
     p_smem = gl.allocate_shared_memory(
         gl.bfloat16, [M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([M, BLOCK_N], gl.bfloat16)
     )
@@ -161,13 +186,15 @@ def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES:
 @gluon.jit
 def _segment(
     qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars, kr_bars,
-    q_row, pages, n_blocks, last_valid, done, segments, scale_log2, m_i, l_i, acc,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    cvt, q_row, pages, n_blocks, last_valid, done, segments, scale_log2, m_i, l_i, acc,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """One output's blocks of this program (n_blocks >= 1), folded into (m_i, l_i, acc): the pages
     from ``pages`` against q rows [q_row, q_row + 64), the last block's keys from ``last_valid``
-    (1 to 64) on masked and its rows there zeroed; block i uses buffer (done + i) % STAGES.
-    Returns (row max in log2 units, row sum, unnormalized output)."""
+    (1 to 64) on masked and its rows there zeroed; block i uses buffer (done + i) % STAGES. With
+    ``FP8`` each block is converted into ``cvt`` (bf16 latent and rope parts), and its buffer
+    reloaded as soon as it is converted. Returns (row max in log2 units, row sum, unnormalized
+    output)."""
     DV: gl.constexpr = 512
     # The previous segment's blocks and q are read by both warp groups until here.
     cta_barrier()
@@ -191,19 +218,30 @@ def _segment(
         mbarrier.wait(kr_bars.index(slot), phase)
         kn = kn_smem.index(slot)
         kr = kr_smem.index(slot)
+        if FP8:
+            _convert_block(kn, kr, cvt[0], cvt[1], BLOCK_N, False)
+            _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
+            kn = cvt[0]
+            kr = cvt[1]
         m_i, l_i, acc = _attend_block(
             qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, BLOCK_N, False
         )
-        # Block j + STAGES into the slot once both groups are done with it and with P.
+        # Both groups are done with the block and with P: block j + STAGES into the slot (an fp8
+        # block's: the next block into the bf16 copy).
         cta_barrier()
-        _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
+        if not FP8:
+            _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
     last = done + n_blocks - 1
     mbarrier.wait(kn_bars.index(last % STAGES), (last // STAGES) & 1)
     mbarrier.wait(kr_bars.index(last % STAGES), (last // STAGES) & 1)
     kn = kn_smem.index(last % STAGES)
-    if last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
-        zero_rows_from(kn, last_valid)
     kr = kr_smem.index(last % STAGES)
+    if FP8:
+        _convert_block(kn, kr, cvt[0], cvt[1], last_valid, True)
+        kn = cvt[0]
+        kr = cvt[1]
+    elif last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
+        zero_rows_from(kn, last_valid)
     return _attend_block(qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, last_valid, scale_log2, BLOCK_N, True)
 
 
@@ -249,6 +287,30 @@ def _attend_block(
 
 
 @gluon.jit
+def _convert_block(kn8, kr8, kn, kr, first, MASK: gl.constexpr):
+    """An fp8 block's latent (kn8 [64, 512]) and rope rows (kr8 [64, 64]) converted to bf16 into
+    kn and kr (exact: every e4m3 value is a bf16 one), with ``MASK`` rows from ``first`` on zeroed
+    (past a sequence's end, as ``zero_rows_from``), by all the CTA's warps: 16 bytes a thread a
+    load, the latent rows in column slices of 128 so the registers it needs stay few."""
+    COLS: gl.constexpr = 128
+    wide: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    narrow: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, kn8.shape[0], layout=gl.SliceLayout(1, wide))
+    for c in gl.static_range(kn8.shape[1] // COLS):
+        part = kn8.slice(c * COLS, COLS, dim=1).load(wide).to(gl.bfloat16)
+        if MASK:
+            part = gl.where(gl.expand_dims(rows < first, 1), part, 0.0)
+        kn.slice(c * COLS, COLS, dim=1).store(part)
+    rope = kr8.load(narrow).to(gl.bfloat16)
+    if MASK:
+        rows_r = gl.arange(0, kr8.shape[0], layout=gl.SliceLayout(1, narrow))
+        rope = gl.where(gl.expand_dims(rows_r < first, 1), rope, 0.0)
+    kr.store(rope)
+    fence_async_shared()
+    cta_barrier()
+
+
+@gluon.jit
 def zero_rows_from(tile, first):
     """Rows [first, rows) of a K/V tile ([rows, 512] bf16) in shared memory set to 0 by the warps
     that run it (the CTA's, or a warp-specialized partition's): past a sequence's end its last
@@ -265,21 +327,27 @@ def zero_rows_from(tile, first):
 
 
 @gluon.jit
-def _store(out_ptr, lse_ptr, row0, m_i, l_i, acc):
-    """Rows [row0, row0 + 64) of out (acc / l, in out's dtype) and lse (natural log); a unit that
-    sees no key (l = 0: a verified token before the first key) gets 0 and -inf."""
+def _store(out_ptr, lse_ptr, row0, m_i, l_i, acc, v_scale_ptr, FP8: gl.constexpr):
+    """Rows [row0, row0 + 64) of out (acc / l, times v_scale[0] with ``FP8``, in out's dtype) and
+    lse (natural log); a unit that sees no key (l = 0: a verified token before the first key) gets
+    0 and -inf."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
+    if FP8:
+        out = out * gl.load(v_scale_ptr)
     rows_o = row0 + gl.arange(0, M, layout=row_o)
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(out_ptr.dtype.element_ty))
     gl.store(lse_ptr + row0 + gl.arange(0, M, layout=m_i.type.layout), (m_i + gl.log2(l_i)) * 0.6931471805599453)
 
 
-def smem_layout(shape: list[int]):
-    """The NVMMA shared layout of a [rows, cols] bf16 TMA box (the descriptors' and the buffers')."""
-    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+def smem_layout(shape: list[int], dtype: torch.dtype = torch.bfloat16):
+    """The NVMMA shared layout of a [rows, cols] TMA box of a bf16 or e4m3 tensor (the descriptors'
+    and the buffers')."""
+    return gl.NVMMASharedLayout.get_default_for(
+        shape, {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    )

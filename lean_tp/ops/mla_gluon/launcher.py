@@ -28,6 +28,8 @@ BLOCK_N, STAGES = 64, 2
 COMBINE_MANY = 8
 COMBINE_FORMS = {True: (16, 16, 8), False: (128, 1, 4)}
 MAX_TQ = 16  # query tokens a sequence, as lean_tp.decode_attention takes them
+# The latent caches the kernel reads: 16-bit, or e4m3 bytes it converts to bf16 a block at a time.
+POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def gluon_takes(plan: DecodePlan) -> bool:
@@ -36,7 +38,8 @@ def gluon_takes(plan: DecodePlan) -> bool:
     head), and the kernel takes the call as ``check_gluon_inputs`` would: an sm_90 CUDA device, a
     bf16 q and latent cache in contiguous 64-row pages with V its rows' first 512 columns, heads a
     multiple of 64, Tq <= 16, and no fp8, softcap, window, sinks, left padding or batch-invariant
-    mode. Shapes, dtypes and the device only: never a tensor's values."""
+    mode (the kernel reads e4m3 pools, untimed on a GPU: not routed). Shapes, dtypes and the
+    device only: never a tensor's values."""
     kernel, layout, f = plan.kernel, plan.layout, plan.features
     rows = kernel and kernel.config.gluon_rows
     if not rows or plan.device.type != "cuda" or kernel.arch != "sm90" or f.num_tokens * plan.group < rows:
@@ -49,11 +52,26 @@ def gluon_takes(plan: DecodePlan) -> bool:
     return plan.dtype == torch.bfloat16 and takes_cache and takes_dims and takes_heads and plain
 
 
-def check_gluon_inputs(q: torch.Tensor, pool: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor):
+def check_gluon_inputs(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+):
     """``ValueError``/``TypeError`` naming the argument for anything the kernel does not take (the
     device last)."""
-    if q.dtype != torch.bfloat16 or pool.dtype != torch.bfloat16:
-        raise TypeError(f"q, pool: expected bfloat16, got {q.dtype} and {pool.dtype}")
+    if q.dtype != torch.bfloat16 or pool.dtype not in POOL_DTYPES:
+        raise TypeError(f"q, pool: expected bfloat16 and one of {POOL_DTYPES}, got {q.dtype} and {pool.dtype}")
+    fp8 = pool.dtype == torch.float8_e4m3fn
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        takes = isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.shape == (1,)
+        if fp8 and not (takes and scale.device == q.device):
+            got = f"{scale.dtype} {tuple(scale.shape)} on {scale.device}" if isinstance(scale, torch.Tensor) else scale
+            raise ValueError(f"{name}: expected a (1,) float32 tensor on {q.device} with an fp8 pool, got {got}")
+        if not fp8 and scale is not None:
+            raise ValueError(f"{name}: expected None with a {pool.dtype} pool (scales are for fp8), got a scale")
     tq = q.shape[1] if q.dim() == 4 else 1
     if q.dim() not in (3, 4) or q.shape[-2] % ROWS or q.shape[-1] != DV + DR or not q.is_contiguous() or tq > MAX_TQ:
         raise ValueError(
@@ -158,6 +176,8 @@ def mla_decode_gluon(
     num_programs: int | None = None,
     softmax_scale: float | None = None,
     schedule: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode on sm_90: out (q's shape, last dim 512) bf16 and lse (q's shape without its last
     dim) fp32 (natural log; 0 and -inf for a query that sees no key).
@@ -165,19 +185,23 @@ def mla_decode_gluon(
     Args:
         q: (B, H, 576) or (B, Tq, H, 576) bf16, H a multiple of 64, Tq <= 16: query token t of
             sequence b sees keys [0, cache_seqlens[b] - Tq + t].
-        pool: (pages, 64, 576) bf16, the latent cache's pages; V is each row's first 512 columns.
+        pool: (pages, 64, 576) bf16 or float8_e4m3fn, the latent cache's pages; V is each row's
+            first 512 columns.
         cache_seqlens: (B,) int32, clamped to the block table's capacity as lean's launch clamps it.
         block_table: (B, max pages) int32.
         num_programs: the grid when ``schedule`` is None (``mla_gluon_schedule``'s).
         softmax_scale: default 576 ** -0.5.
         schedule: ``mla_gluon_schedule(cache_seqlens, block_table, H, Tq)``, computed once a step
             for these lengths; computed here when None.
+        k_scale, v_scale: (1,) float32 on q's device, an fp8 pool's only (required there): a row's
+            value is its bytes times k_scale in the score and v_scale in the output.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
 
-    check_gluon_inputs(q, pool, cache_seqlens, block_table)
+    check_gluon_inputs(q, pool, cache_seqlens, block_table, k_scale, v_scale)
+    fp8 = pool.dtype == torch.float8_e4m3fn
     batch, heads, tq = q.shape[0], q.shape[-2], (q.shape[1] if q.dim() == 4 else 1)
     head_units = tq * heads // ROWS
     seqlens = valid_keys(cache_seqlens, None, block_table.shape[1] * BLOCK_N)[1]
@@ -191,14 +215,15 @@ def mla_decode_gluon(
     part_lse = torch.empty(num_programs, 2, ROWS, dtype=torch.float32, device=q.device)
 
     def desc(t: torch.Tensor, shape: list[int]) -> TensorDescriptor:
-        return TensorDescriptor.from_tensor(t, shape, smem_layout(shape))
+        return TensorDescriptor.from_tensor(t, shape, smem_layout(shape, t.dtype))
 
     q2, pool2 = q.view(-1, DV + DR), pool.view(-1, DV + DR)  # rows (b, token, head)
     scale = softmax_scale if softmax_scale is not None else (DV + DR) ** -0.5
     mla_decode_gluon_kernel[(num_programs,)](
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
-        out, lse, part_out, part_lse, schedule, seqlens, block_table, block_table.stride(0), batch,
-        scale * math.log2(math.e), head_units, head_units, tq, BLOCK_N, STAGES, num_warps=8,
+        out, lse, part_out, part_lse, k_scale if fp8 else lse, v_scale if fp8 else lse, schedule, seqlens,
+        block_table, block_table.stride(0), batch, scale * math.log2(math.e), head_units, head_units, tq,
+        BLOCK_N, STAGES, fp8, num_warps=8,
     )  # fmt: skip
     combine(schedule, seqlens, part_out, part_lse, out, lse, head_units)
     return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
@@ -215,24 +240,29 @@ def check_schedule(schedule: torch.Tensor, head_units: int, device: torch.device
         )
 
 
-def compile_sm90(head_units: int = 2, tq: int = 1):
-    """The kernel compiled for sm_90 on any machine, its descriptors' types as a launch has them."""
+def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False):
+    """The kernel compiled for sm_90 on any machine, its descriptors' types as a launch has them
+    (``fp8``: an e4m3 pool's)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
 
-    def desc(shape: list[int]) -> str:
-        return f"tensordesc<bf16[{shape[0]},{shape[1]}],{smem_layout(shape)!r}>"
+    def desc(shape: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
+        name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}[dtype]
+        return f"tensordesc<{name}[{shape[0]},{shape[1]}],{smem_layout(shape, dtype)!r}>"
 
+    kv = torch.float8_e4m3fn if fp8 else torch.bfloat16
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+    pointers.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     pointers.update(range_ptr="*i32", seqlens_ptr="*i32", block_table_ptr="*i32")
     signature = {
-        "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV]),
-        "kr_desc": desc([BLOCK_N, DR]), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
+        "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV], kv),
+        "kr_desc": desc([BLOCK_N, DR], kv), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
         "HU": "constexpr", "LANES": "constexpr", "TQ": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+        "FP8": "constexpr",
     }  # fmt: skip
-    constexprs = {"HU": head_units, "LANES": head_units, "TQ": tq, "BLOCK_N": BLOCK_N, "STAGES": STAGES}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 11)}
+    constexprs = {"HU": head_units, "LANES": head_units, "TQ": tq, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "FP8": fp8}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 13)}
     source = GluonASTSource(mla_decode_gluon_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
