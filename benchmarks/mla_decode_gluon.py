@@ -6,9 +6,9 @@ to this one) on DP attention's shapes, 64-row pages.
 Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 495
 SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's
 670 SASS a 32-key iteration and 13120 bytes a key (kernel report). For an e4m3 pool: the same
-shared memory, 941 SASS an iteration, 216 of them conversions (144 F2F and 72 F2FP a thread), and
-17 local loads and stores (mostly loop-invariant words reloaded from L1, 3 values stored and
-reloaded).
+shared memory, 1018 SASS an iteration, 360 of them the conversion (``kernel.e4m3_to_bf16``: 72
+PRMT, 144 LOP3, 72 SHF and 72 bf16x2 multiplies a thread), and 19 local loads and stores (mostly
+loop-invariant words reloaded from L1).
 
 Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact
 against float64, 1328 us for 66 sequences of 128 heads and 32k keys against the Triton kernel's
@@ -131,7 +131,10 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
         local_anywhere=local_anywhere,
         smem_read_per_key=kv_smem_read_bytes(sass, 8) // BLOCK_N,
         hgmma=hgmma,
+        # The e4m3 conversion's: on the conversion unit (Triton's own, through fp16), or bf16x2
+        # multiplies (``kernel.e4m3_to_bf16``).
         conversions=sum(op.startswith(("F2F.", "F2FP.F16.E4M3")) for op, _ in _kv_loop_instructions(sass)),
+        bf16x2_multiplies=sum(op.startswith("HMUL2.BF16") for op, _ in _kv_loop_instructions(sass)),
     )
 
 
