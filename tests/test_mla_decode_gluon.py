@@ -88,23 +88,22 @@ def test_the_gluon_mla_kernel_for_an_e4m3_pool_compiles_for_sm90():
 
 
 def _run_e4m3_asm(word: int) -> tuple[int, int]:
-    """``kernel.E4M3_TO_BF16_ASM`` executed on one 32-bit word of four e4m3 bytes: its own
-    instructions read from the string (prmt, and, shr, lop3, mov, mul.rn.bf16x2) by their PTX
-    definitions, so a wrong selector, mask, shift or constant there fails below."""
-    from lean_tp.ops.mla_gluon.kernel import E4M3_TO_BF16_ASM
+    """``attend.E4M3_TO_BF16_ASM`` (both kernels' e4m3 conversion) executed on one 32-bit word of
+    four e4m3 bytes: its own instructions read from the string (prmt, and, shr, lop3, mov,
+    fma.rn.bf16x2) by their PTX definitions, so a wrong selector, mask, shift or constant there
+    fails below."""
+    from lean_tp.ops.decode_attention.attend import E4M3_TO_BF16_ASM
 
     regs = {"$2": word}
 
     def val(x: str) -> int:
         return regs[x] if x in regs else int(x, 0)
 
-    def bf16_mul(a: int, b: int) -> int:
-        lanes = [((a >> s) & 0xFFFF, (b >> s) & 0xFFFF) for s in (0, 16)]
-        as_bf16 = [
-            torch.tensor([x, y], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double() for x, y in lanes
-        ]
-        out = [(v[0] * v[1]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF for v in as_bf16]
-        return out[0] | out[1] << 16
+    def bf16_fma(a: int, b: int, c: int) -> int:  # a x b + c a 16-bit lane, rounded once
+        lanes = torch.tensor([[(w >> s) & 0xFFFF for w in (a, b, c)] for s in (0, 16)], dtype=torch.int32)
+        x, y, z = lanes.to(torch.int16).view(torch.bfloat16).double().unbind(1)
+        out = (x * y + z).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(out[0]) | int(out[1]) << 16
 
     for line in filter(None, map(str.strip, E4M3_TO_BF16_ASM.value.strip("{}").splitlines())):
         op, _, rest = line.strip().rstrip(";").partition(" ")
@@ -123,8 +122,8 @@ def _run_e4m3_asm(word: int) -> tuple[int, int]:
             regs[d] = sum(((t >> (4 * (x >> i & 1) + 2 * (y >> i & 1) + (z >> i & 1))) & 1) << i for i in range(32))
         elif op == "mov.b32":
             regs[args[0]] = val(args[1])
-        elif op == "mul.rn.bf16x2":
-            regs[args[0]] = bf16_mul(val(args[1]), val(args[2]))
+        elif op == "fma.rn.bf16x2":
+            regs[args[0]] = bf16_fma(val(args[1]), val(args[2]), val(args[3]))
         elif op != ".reg":
             raise AssertionError(f"an instruction the test does not execute: {line!r}")
     return regs["$0"], regs["$1"]

@@ -605,14 +605,19 @@ def test_the_invariant_variant_streams_at_its_own_blocks_rate():
     assert 1.9 <= two.time_us / one <= 2.1, (one, two.time_us)
 
 
-def test_lean_mla_model_against_the_h200_record():
+def test_lean_mla_model_against_the_h200_record(monkeypatch):
     """Where MLA's K/V loop bounds lean (B=32: every SM busy), the model with the loop times of
     ``gpus.LOOP_US`` and ``gluon.GLUON_LOOP_US`` gives the H200 records' times of what runs within
     0.9-1.2x (16 heads in 16-row blocks of 64 keys; 128 heads at 16 bits on the Gluon kernel, the
     sixth record's ``lean-gluon``; 128 heads of e4m3 in 128-row blocks of two head units, the
-    third record's ``lean-cols128``); these are 1.19x (16 heads, 16 bits, 32k) to 13x (128 heads,
-    e4m3, 4k) the time of their bytes at the copy bandwidth."""
+    third record's ``lean-cols128``, whose loop converted e4m3 on the conversion unit: modelled
+    here without ``gpus.E4M3_CONVERSION_CHANGE``); these are 1.19x (16 heads, 16 bits, 32k) to 13x
+    (128 heads, e4m3, 4k) the time of their bytes at the copy bandwidth."""
     from pathlib import Path
+
+    from lean_tp.tools import gpus
+
+    monkeypatch.setattr(gpus, "E4M3_CONVERSION_CHANGE", {})
 
     rows = {}
     for name in ("2026-11-27-nvidia-h200.json", "2026-11-27-nvidia-h200-5.json"):
@@ -628,6 +633,29 @@ def test_lean_mla_model_against_the_h200_record():
         time = rows[name][(label, impl)]
         assert 0.9 <= time / modelled <= 1.2, (label, time, modelled)
         assert time > 1.15 * 32 * context * 576 * elem / GPUS["H200"].hbm_tbps / 1e6
+
+
+def test_e4m3_loops_are_their_measurements_less_the_conversion_units_issue_time():
+    """sm_90's e4m3 loops were measured converting on the conversion unit; they convert with
+    integer and bf16x2 instructions (``attend.e4m3_to_bf16``), so each is modelled as its
+    measurement less the issue time that saves at the CUDA guide's rates (16, 64 and 128 a clock
+    an SM, 256 threads, 1.755 GHz), no less than the 16-bit loop: TP 8's 16-row blocks of 64 keys
+    4.55 -> 3.16 us (216 conversions a thread an iteration for 216 integer and 72 bf16x2
+    instructions), 128 heads' head units at the 16-bit loop's 2.58. 16-bit loops are measured."""
+    from lean_tp.tools.gpus import E4M3_CONVERSION_CHANGE, loop_us
+
+    h100 = GPUS["H100"]
+    saved = 256 * (216 / 16 - 216 / 64 - 72 / 128) / (h100.clock_ghz * 1e3)
+    assert abs(loop_us(h100, 576, 1, 16, 64) - (LOOP_US["sm90", 576, 1, 16, 64] - saved)) < 1e-9
+    assert (
+        3.1 < loop_us(h100, 576, 1, 16, 64) < 3.2 and loop_us(h100, 576, 1, 128, 32) == LOOP_US["sm90", 576, 2, 128, 32]
+    )
+    assert {key for key in LOOP_US if key[2] == 1} == set(E4M3_CONVERSION_CHANGE)
+    for key, us in LOOP_US.items():
+        if key[2] == 2:
+            assert loop_us(h100, *key[1:]) == us
+        else:
+            assert LOOP_US[key[:2] + (2,) + key[3:]] <= loop_us(h100, *key[1:]) < us, key
 
 
 def test_the_gluon_route_is_modelled_as_its_kernel():

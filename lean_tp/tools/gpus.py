@@ -71,9 +71,37 @@ LOOP_US = {
 }
 
 
+# The e4m3 times in LOOP_US are of loops whose conversion to bf16 ran on the conversion unit
+# (Triton's e4m3 to fp16 a pair, fp16 to bf16 a value); the loops convert with integer and bf16x2
+# operations instead (``attend.e4m3_to_bf16``). Per thread an iteration, from each entry's SASS
+# compiled both ways (triton 3.7.1): (conversion-unit instructions removed, 32-bit integer ones
+# added, bf16x2 ones added). Each is charged at the CUDA C++ Programming Guide's throughput for
+# compute capability 9.0 (arithmetic instructions, results a clock an SM): 16 for the conversions
+# ("all other type conversions"), 64 for bitwise operations and shifts (PRMT counted as one of
+# them), 256 16-bit floating-point results (a bf16x2 instruction is two). In the measured loops the
+# e4m3 iteration exceeded the 16-bit one by 0.58-1.12x the conversion unit's issue time, so an
+# e4m3 iteration is modelled as its measurement less the issue time saved, and no less than the
+# 16-bit iteration (unmeasured).
+E4M3_CONVERSION_CHANGE = {
+    ("sm90", 576, 1, 16, 32): (108, 108, 36),
+    ("sm90", 576, 1, 16, 64): (216, 216, 72),
+    ("sm90", 576, 1, 64, 32): (108, 108, 36),
+    ("sm90", 576, 1, 128, 32): (108, 108, 36),
+}
+CONVERSION_RESULTS, INTEGER_RESULTS, BF16X2_RESULTS = 16, 64, 128  # a clock an SM (bf16x2: instructions)
+LOOP_THREADS = 256  # the entries' 8 warps
+
+
 def loop_us(gpu: GPUModel, head_dim: int, elem_bytes: int, block_g: int, block_n: int) -> float | None:
-    """``LOOP_US`` of a kernel entry on ``gpu``, or None where it is not measured."""
-    return LOOP_US.get((gpu.arch, head_dim, elem_bytes, block_g, block_n))
+    """``LOOP_US`` of a kernel entry on ``gpu``, or None where it is not measured; an e4m3 entry's
+    less the conversion's issue time ``E4M3_CONVERSION_CHANGE`` saves."""
+    key = (gpu.arch, head_dim, elem_bytes, block_g, block_n)
+    measured = LOOP_US.get(key)
+    if key not in E4M3_CONVERSION_CHANGE or measured is None:
+        return measured
+    removed, integer, bf16x2 = E4M3_CONVERSION_CHANGE[key]
+    clocks = LOOP_THREADS * (removed / CONVERSION_RESULTS - integer / INTEGER_RESULTS - bf16x2 / BF16X2_RESULTS)
+    return max(measured - clocks / (gpu.clock_ghz * 1e3), LOOP_US[key[:2] + (2,) + key[3:]])
 
 
 # The GPUs a sweep models unless --gpu names others: the ones its published tables were made on.

@@ -133,6 +133,40 @@ def e4m3_words_to_f16(w):
     return tl.reshape(x, (w.shape[0], 4 * w.shape[1])).to(tl.float16, bitcast=True)
 
 
+# Four float8_e4m3fn bytes (one 32-bit register, the first in the low byte) to four bf16 (two
+# registers, the first two in the first), exactly and without the conversion unit, whose 16
+# results a clock an SM (CUDA C++ Programming Guide, arithmetic instruction throughput, compute
+# capability 8.x-12.x) Triton's conversion spends twice a value (e4m3 to fp16 a pair, fp16 to bf16
+# a value): each byte to the high byte of a 16-bit lane (prmt), its 7 low bits shifted to bf16's
+# bits 4..10 and its sign kept at bit 15, which is the bf16 of the value x 2^-120 (subnormals
+# included, as bf16 subnormals); then times 2^120 (0x7B80) plus -0 (0x8000, which keeps a zero's
+# sign) by a bf16x2 fma (sm_80 on), which takes subnormal inputs. The NaN codes become +-480 (a KV
+# cache holds none). tests/test_mla_decode_gluon.py runs these instructions on all 256 codes.
+E4M3_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 a0, a1, b0, b1, c, z;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+and.b32 b0, a0, 0x7f007f00;
+and.b32 b1, a1, 0x7f007f00;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, a0, 0x80008000, 0xf8;
+lop3.b32 b1, b1, a1, 0x80008000, 0xf8;
+mov.b32 c, 0x7b807b80;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, b0, c, z;
+fma.rn.bf16x2 $1, b1, c, z;
+}""")
+
+
+@triton.jit
+def e4m3_to_bf16(x):
+    """float8_e4m3fn values as bf16 (``E4M3_TO_BF16_ASM``), a tile read in 16-byte rows converted
+    as a whole: the asm is opaque to Triton, which would otherwise convert it as it loads a dot
+    operand (``_opaque``)."""
+    return tl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4)
+
+
 @triton.jit
 def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     """K/V values in q's dtype. With E4M3_BITS, x holds float8_e4m3fn values (Triton has no e4m3
@@ -140,9 +174,12 @@ def _upcast(x, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     offsets and strides allow) or as uint8. A value's sign at an fp16's bit 15 and its 7 low bits
     at bits 7..13 is the fp16 of value x 2^-8 exactly, subnormals included (the caller multiplies
     the scales by E4M3_BITS_SCALE = 2^8): a byte gets there sign-extended, shifted left by 7, with
-    bit 14 cleared; words through ``e4m3_words_to_f16``."""
+    bit 14 cleared; words through ``e4m3_words_to_f16``. A float8_e4m3fn tile for a bf16 q is
+    converted by ``e4m3_to_bf16`` where compiled."""
     if E4M3_BITS and x.dtype == tl.int32:
         x = _opaque(e4m3_words_to_f16(x).to(dtype))
+    elif x.dtype == tl.float8e4nv and dtype == tl.bfloat16 and not INTERPRETED:
+        x = e4m3_to_bf16(x)
     elif x.dtype.primitive_bitwidth == 8:
         if E4M3_BITS:
             x = ((x.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16385).to(tl.float16, bitcast=True)

@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from lean_tp.ops.decode_attention.attend import E4M3_TO_BF16_ASM
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, cdiv, next_unit, program_of_tile
 
 # The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 (inside a
@@ -310,31 +311,10 @@ def _convert_block(kn8, kr8, kn, kr, first, MASK: gl.constexpr):
     cta_barrier()
 
 
-# Four e4m3 bytes (one 32-bit register, the first in the low byte) to four bf16 (two registers):
-# each byte to the high byte of a 16-bit lane (prmt), its 7 low bits shifted to bf16's bits 4..10
-# and its sign kept at bit 15: the bf16 of the value x 2^-120, subnormals included (a bf16
-# subnormal where the e4m3 is one); times 2^120 (0x7B80) by a bf16x2 multiply, which keeps
-# subnormal inputs. The NaN codes become +-480 (a KV cache holds none).
-E4M3_TO_BF16_ASM = gl.constexpr("""{
-.reg .b32 a0, a1, b0, b1, c;
-prmt.b32 a0, 0, $2, 0x5140;
-prmt.b32 a1, 0, $2, 0x7362;
-and.b32 b0, a0, 0x7f007f00;
-and.b32 b1, a1, 0x7f007f00;
-shr.b32 b0, b0, 4;
-shr.b32 b1, b1, 4;
-lop3.b32 b0, b0, a0, 0x80008000, 0xf8;
-lop3.b32 b1, b1, a1, 0x80008000, 0xf8;
-mov.b32 c, 0x7b807b80;
-mul.rn.bf16x2 $0, b0, c;
-mul.rn.bf16x2 $1, b1, c;
-}""")
-
-
 @gluon.jit
 def e4m3_to_bf16(x):
-    """float8_e4m3fn values as bf16, exactly (``E4M3_TO_BF16_ASM``: integer and bf16x2 operations,
-    where Triton's conversion goes through fp16 by the conversion unit, F2FP then F2F a value)."""
+    """float8_e4m3fn values as bf16, exactly: ``attend.E4M3_TO_BF16_ASM``, as the Triton kernel
+    converts them."""
     return gl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,=r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
