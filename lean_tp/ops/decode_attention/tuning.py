@@ -313,7 +313,7 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # holds no 64 x 512 state, whose registers otherwise spill in the K/V loop), 64-row blocks take
 # 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
-# 128 heads and Tq 4 reload 4-6 loop-invariant words an iteration; kernel report). The
+# 128 heads and Tq 4 reload 4-10 loop-invariant words an iteration; kernel report). The
 # batch-invariant variant keeps 16-row blocks: its loop holds two states, two 64 x 512 fp32
 # accumulators at 64 rows. sm_80 runs blocks of up to 32
 # rows: 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16-
