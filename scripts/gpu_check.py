@@ -124,7 +124,7 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
         # beside lean (benchmarks/mla_decode_gluon.py).
         gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
         steps.append(("mla decode gluon tests", gluon_test, 180))
-        steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 120))
+        steps.append(("mla decode gluon", [py, "benchmarks/mla_decode_gluon.py"], 180))
         # FlashMLA's seesaw schedule as a probe, not yet run on a GPU: a hang of its barriers costs
         # this step's timeout, not the steps after it.
         steps.append(("mla decode seesaw", [py, "benchmarks/mla_decode_seesaw.py"], 60))
