@@ -120,7 +120,7 @@ def planned_steps(groups: list[str], py: str, out: str) -> list[tuple[str, list[
     if "bench" in groups:
         # The Gluon MLA kernel (lean_tp.ops.mla_gluon): its CUDA test (ragged lengths, splits, NaN
         # pages, 16-bit and e4m3 pools, and decode_attention's route to it, compiled and in a CUDA
-        # graph: 6 kernel compiles and 2 torch.compile), then exact against float64 and timed
+        # graph: 6 kernel compiles and 3 torch.compile), then exact against float64 and timed
         # beside lean (benchmarks/mla_decode_gluon.py).
         gluon_test = [py, "-m", "pytest", "-q", "-o", "addopts=-ra", GLUON_TEST]
         steps.append(("mla decode gluon tests", gluon_test, 180))

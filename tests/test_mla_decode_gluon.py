@@ -353,7 +353,8 @@ def _routed_plan(plan_change: dict, **call):
         ({"arch": "sm100"}, dict(), False),
         ({"layout": dict(page_size=32)}, dict(), False),
         ({"layout": dict(k_strides=(2 * 64 * 576, 576, 576))}, dict(), False),  # pages not contiguous
-        ({"features": dict(fp8=torch.float8_e4m3fn)}, dict(), False),
+        ({"features": dict(fp8=torch.float8_e4m3fn)}, dict(), True),  # where an entry routes e4m3
+        ({"features": dict(fp8=torch.float8_e5m2)}, dict(), False),
         ({}, dict(heads=16, tq=4), False),  # 64 rows
         ({}, dict(heads=96), False),  # heads not in blocks of 64
         ({}, dict(dtype=torch.float16), False),
@@ -366,37 +367,67 @@ def _routed_plan(plan_change: dict, **call):
 )
 def test_gluon_takes_the_planned_calls_its_kernel_takes(plan_change, call, routed):
     """The route's rule (``gluon_takes``): an sm_90 CUDA device whose entry sets ``gluon_rows``,
-    bf16, contiguous 64-row pages of one latent head with V their first 512 columns, Tq x heads of
-    at least ``gluon_rows`` in blocks of 64, Tq <= 16, no feature the kernel lacks. Each case
-    changes one thing from a routed call: the plan's fields, or the call the plan is made from."""
+    a bf16 q and a bf16 or e4m3 cache, contiguous 64-row pages of one latent head with V their
+    first 512 columns, Tq x heads of at least ``gluon_rows`` in blocks of 64, Tq <= 16, no feature
+    the kernel lacks. Each case changes one thing from a routed call: the plan's fields, or the
+    call the plan is made from."""
     from lean_tp.ops.mla_gluon.launcher import gluon_takes
 
     assert gluon_takes(_routed_plan(plan_change, **call)) is routed
 
 
-def test_decode_attention_runs_a_routed_call_on_the_gluon_op(monkeypatch):
+def test_e4m3_calls_follow_the_e4m3_entry():
+    """The tuning entries are the cache's: an e4m3 call on sm_90 is planned with the e4m3 entry,
+    which sets no ``gluon_rows`` (the kernel's e4m3 path has not run on a GPU), so it stays on the
+    Triton kernel however many rows it has; the 16-bit call beside it routes."""
+    from dataclasses import replace
+
+    from lean_tp.ops.decode_attention.launcher import plan_decode
+    from lean_tp.ops.mla_gluon.launcher import gluon_takes
+
+    script = _script()
+    for fp8, routed in ((False, True), (True, False)):
+        args = script.lean_inputs(*script.paged_problem([0, 70, 130], heads=128, device="cpu", fp8=fp8))
+        plan = plan_decode(**args, softmax_scale=576**-0.5)
+        config = TUNING_TABLE[("sm90", 576, 1 if fp8 else 2)]
+        kernel = replace(plan.kernel, arch="sm90", config=config)
+        assert gluon_takes(replace(plan, kernel=kernel, device=torch.device("cuda", 0))) is routed, fp8
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_runs_a_routed_call_on_the_gluon_op(monkeypatch, fp8):
     """A call the plan routes (``gluon_takes``, forced here: the kernel needs an sm_90 GPU) returns
     ``lean_tp::mla_decode_gluon``'s out and lse, the op given lean's paged cache as the kernel's
-    pool (a view: no copy), the lengths, the block table and the scale. The kernel is replaced by
-    its float64 reference, so the values are exact; ``opcheck`` checks the op's registration (its
+    pool (a view: no copy), the lengths, the block table, the scale and an e4m3 cache's k_scale
+    and v_scale (the float scales of the call, as (1,) tensors). The kernel is replaced by its
+    float64 reference, so the values are exact; ``opcheck`` checks the op's registration (its
     schema, fake and dispatch) over the same stand-in."""
     import lean_tp
     from lean_tp.ops.decode_attention import launcher as lean_launcher
 
     script, seen = _script(), []
-    q, pool, seqlens, table = problem = script.paged_problem([0, 1, 64, 65, 700], heads=128, device="cpu", tq=2)
+    problem = script.paged_problem([0, 1, 64, 65, 700], heads=128, device="cpu", tq=2, fp8=fp8)
+    q, pool, seqlens, table = problem
 
-    def kernel(q, pool, cache_seqlens, block_table, softmax_scale=None):
-        seen.append((pool, softmax_scale))
+    def kernel(q, pool, cache_seqlens, block_table, softmax_scale=None, **scales):
+        seen.append((pool, softmax_scale, scales))
         out, lse = script.reference(q, pool, cache_seqlens, block_table)
         return out.to(q.dtype), lse.float()
 
     monkeypatch.setattr(launcher, "mla_decode_gluon", kernel)
     monkeypatch.setattr(lean_launcher, "gluon_takes", lambda plan: True)
     inputs = script.lean_inputs(*problem)
+    if fp8:  # as floats: the op makes them tensors
+        inputs |= dict(k_scale=script.K_SCALE, v_scale=script.V_SCALE)
     # The stand-in computes at the reference's own scale; the scale the op is given is checked apart.
     out, lse = lean_tp.decode_attention(**inputs, return_lse=True, backend="triton", softmax_scale=0.05)
     ref_out, ref_lse = script.reference(*problem)
     assert torch.equal(out, ref_out.bfloat16()) and torch.equal(lse, ref_lse.float())
     assert seen[0][0].shape == pool.shape and seen[0][0].data_ptr() == pool.data_ptr() and seen[0][1] == 0.05
-    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, (q, inputs["k_cache"], seqlens, table, 576**-0.5))
+    scales = {name: torch.tensor([value]) for name, value in (("k_scale", script.K_SCALE), ("v_scale", script.V_SCALE))}
+    assert seen[0][2] == {} if not fp8 else all(torch.equal(seen[0][2][n], t) for n, t in scales.items())
+    args = (q, inputs["k_cache"], seqlens, table, 576**-0.5, *(scales.values() if fp8 else ()))
+    # The schema test perturbs inputs arithmetically, which CPU torch has no e4m3 kernel for; the
+    # 16-bit case checks the same schema.
+    skip_schema = dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, args, **(skip_schema if fp8 else {}))

@@ -4,7 +4,7 @@ sequence holds are NaN (the rest of a last page must be neither read into a scor
 into the output), with 64 and 128 heads and 1 to 4 query tokens, over grids that leave outputs
 whole or split them over programs (the merge), from 16-bit and e4m3 pools; and
 ``lean_tp.decode_attention`` routing DP attention's calls there (``gluon_takes``), eager, compiled
-and replayed from a CUDA graph.
+and replayed from a CUDA graph, and its e4m3 calls where the e4m3 entry is set to route them.
 
 Skipped without an sm_90 device; ``python scripts/gpu_check.py`` runs it on a GPU.
 """
@@ -55,15 +55,25 @@ def test_mla_decode_gluon_reads_an_e4m3_pool(heads, tq, num_programs):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads,tq", [(128, 1), (64, 2)])
-def test_decode_attention_runs_routed_calls_on_the_gluon_kernel(heads, tq):
+@pytest.mark.parametrize("heads,tq,fp8", [(128, 1, False), (64, 2, False), (128, 1, True)])
+def test_decode_attention_runs_routed_calls_on_the_gluon_kernel(heads, tq, fp8, monkeypatch):
     """A call sm_90's entry routes (128 rows: 128 heads, or 64 heads of 2 tokens) matches float64;
     compiled with ``fullgraph=True`` and replayed from a CUDA graph it gives the same bits;
-    ``opcheck`` passes on the kernel itself."""
+    ``opcheck`` passes on the kernel itself. An e4m3 call with the e4m3 entry set to route 128
+    rows as the 16-bit one does (the table leaves it unset until this kernel is timed) does the
+    same at the problem's k and v scales (``opcheck`` without its schema test, which perturbs the
+    inputs arithmetically: torch has no e4m3 kernels for it; the 16-bit cases check the schema)."""
+    from dataclasses import replace
+
     import lean_tp
     from lean_tp.ops.decode_attention.launcher import plan_decode
+    from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
 
-    problem = mla_decode_gluon.paged_problem([0, 1, 63, 64, 65, 1000, 4099, 130], heads=heads, seed=7, tq=tq)
+    if fp8:
+        entry = ("sm90", 576, 1)
+        monkeypatch.setitem(TUNING_TABLE, entry, replace(TUNING_TABLE[entry], gluon_rows=128))
+    lens = [0, 1, 63, 64, 65, 1000, 4099, 130]
+    problem = mla_decode_gluon.paged_problem(lens, heads=heads, seed=7, tq=tq, fp8=fp8)
     inputs = mla_decode_gluon.lean_inputs(*problem)
     assert plan_decode(**inputs, softmax_scale=576**-0.5).gluon
 
@@ -76,16 +86,25 @@ def test_decode_attention_runs_routed_calls_on_the_gluon_kernel(heads, tq):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
     compiled = torch.compile(call, fullgraph=True, dynamic=False)()
     assert torch.equal(compiled[0], out) and torch.equal(compiled[1], lse)
+    captured = _replayed(call)
+    assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
+    q, _, seqlens, table = problem
+    scales = mla_decode_gluon.fp8_scales(problem[1])
+    args = (q, inputs["k_cache"], seqlens, table, 576**-0.5, *scales.values())
+    skip_schema = dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, args, **(skip_schema if fp8 else {}))
+
+
+def _replayed(call):
+    """What ``call`` returns captured in a CUDA graph (warmed up outside it) and replayed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call()  # warm-up outside the capture
+        call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
-    q, _, seqlens, table = problem
-    torch.library.opcheck(torch.ops.lean_tp.mla_decode_gluon, (q, inputs["k_cache"], seqlens, table, 576**-0.5))
+    return captured

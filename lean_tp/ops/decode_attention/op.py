@@ -81,7 +81,9 @@ def decode_attention_op(
         block_table = block_table.contiguous()
     if plan.gluon:
         seqlens = cache_seqlens.contiguous()
-        return torch.ops.lean_tp.mla_decode_gluon(q.contiguous(), k_cache, seqlens, block_table, softmax_scale)
+        return torch.ops.lean_tp.mla_decode_gluon(
+            q.contiguous(), k_cache, seqlens, block_table, softmax_scale, k_scale, v_scale
+        )
     return decode_attention_fwd(
         q,
         k_cache,

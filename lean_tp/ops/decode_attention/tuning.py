@@ -379,7 +379,9 @@ _MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1
 # benchmark's ``lean-gluon`` against this entry's Triton kernel): 1.72-1.95x from B=1 at 32k to
 # B=128 (B=32 32k 669 against 1276 us, B=128 32k 2721 against 4891), 0.95x at B=1 4k (38.6
 # against 36.8 us). 64 rows (Kimi-K2's 64 heads under DP) are unmeasured, so the route starts at
-# 128 rows (Tq x heads); e4m3 and fp16 stay on Triton (the kernel takes bf16 only).
+# 128 rows (Tq x heads); fp16 stays on Triton (the kernel takes a bf16 q). The kernel reads e4m3
+# caches too (each block converted to bf16 in shared memory), untimed on a GPU: the e4m3 entry
+# sets no gluon_rows until benchmarks/mla_decode_gluon.py's e4m3 lines say it is faster.
 _MLA_GLUON = "; 128+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-1.95x but 0.95x at B=1 4k (H200)"
 # One long sequence of one token at TP 8 (16 heads, one row block) is split over at most
 # max_contributors programs: 64 leave half an H100's or H200's SMs idle. Measured on an H200

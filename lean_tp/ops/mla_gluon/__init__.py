@@ -7,8 +7,9 @@ where the plan routes it (``launcher.gluon_takes``): 16-bit latent caches in 64-
 in 64-row blocks, up to 16 query tokens a sequence, and a tuning entry that sets
 ``DecodeConfig.gluon_rows``: sm_90's 16-bit MLA entry routes 128 rows (Tq x heads) and more,
 DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md). The kernel
-also reads e4m3 pools (``mla_decode_gluon`` with ``k_scale`` and ``v_scale``); no call is routed
-there until a GPU has timed it against the Triton kernel (benchmarks/mla_decode_gluon.py).
+also reads e4m3 pools (``mla_decode_gluon`` with ``k_scale`` and ``v_scale``; the op passes an
+e4m3 call's scales), and the e4m3 entry sets no ``gluon_rows``: its calls stay on the Triton
+kernel until a GPU has timed this one against it (benchmarks/mla_decode_gluon.py).
 """
 
 from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule

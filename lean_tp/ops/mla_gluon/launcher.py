@@ -34,12 +34,12 @@ POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 def gluon_takes(plan: DecodePlan) -> bool:
     """Whether ``lean_tp.decode_attention`` runs a planned call on this kernel: its tuning entry
-    routes calls of ``DecodeConfig.gluon_rows`` query rows or more here (Tq x heads of the one KV
-    head), and the kernel takes the call as ``check_gluon_inputs`` would: an sm_90 CUDA device, a
-    bf16 q and latent cache in contiguous 64-row pages with V its rows' first 512 columns, heads a
-    multiple of 64, Tq <= 16, and no fp8, softcap, window, sinks, left padding or batch-invariant
-    mode (the kernel reads e4m3 pools, untimed on a GPU: not routed). Shapes, dtypes and the
-    device only: never a tensor's values."""
+    (16-bit or e4m3: the entries are the cache's) routes calls of ``DecodeConfig.gluon_rows``
+    query rows or more here (Tq x heads of the one KV head), and the kernel takes the call as
+    ``check_gluon_inputs`` would: an sm_90 CUDA device, a bf16 q and a bf16 or e4m3 latent cache
+    in contiguous 64-row pages with V its rows' first 512 columns, heads a multiple of 64,
+    Tq <= 16, and no e5m2, softcap, window, sinks, left padding or batch-invariant mode. Shapes,
+    dtypes and the device only: never a tensor's values."""
     kernel, layout, f = plan.kernel, plan.layout, plan.features
     rows = kernel and kernel.config.gluon_rows
     if not rows or plan.device.type != "cuda" or kernel.arch != "sm90" or f.num_tokens * plan.group < rows:
@@ -48,7 +48,8 @@ def gluon_takes(plan: DecodePlan) -> bool:
     takes_cache = layout.paged and layout.page_size == BLOCK_N and layout.k_strides[:2] == pool_strides
     takes_dims = plan.head_dim == DV + DR and layout.head_dim_v == DV and f.v_in_k
     takes_heads = layout.num_kv_heads == 1 and plan.group % ROWS == 0 and f.num_tokens <= MAX_TQ
-    plain = not (f.fp8 or f.softcap or f.window or f.sinks or f.leftpad or f.batch_invariant)
+    takes_cache = takes_cache and f.fp8 in (None, torch.float8_e4m3fn)
+    plain = not (f.softcap or f.window or f.sinks or f.leftpad or f.batch_invariant)
     return plan.dtype == torch.bfloat16 and takes_cache and takes_dims and takes_heads and plain
 
 
