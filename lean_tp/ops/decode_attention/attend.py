@@ -134,14 +134,15 @@ def e4m3_words_to_f16(w):
 
 
 # Four float8_e4m3fn bytes (one 32-bit register, the first in the low byte) to four bf16 (two
-# registers, the first two in the first), exactly and without the conversion unit, whose 16
+# registers, the first two in the first), exactly and without the conversion unit, which issues 16
 # results a clock an SM (CUDA C++ Programming Guide, arithmetic instruction throughput, compute
-# capability 8.x-12.x) Triton's conversion spends twice a value (e4m3 to fp16 a pair, fp16 to bf16
-# a value): each byte to the high byte of a 16-bit lane (prmt), its 7 low bits shifted to bf16's
-# bits 4..10 and its sign kept at bit 15, which is the bf16 of the value x 2^-120 (subnormals
-# included, as bf16 subnormals); then times 2^120 (0x7B80) plus -0 (0x8000, which keeps a zero's
-# sign) by a bf16x2 fma (sm_80 on), which takes subnormal inputs. The NaN codes become +-480 (a KV
-# cache holds none). tests/test_mla_decode_gluon.py runs these instructions on all 256 codes.
+# capability 9.0) and which Triton's conversion uses 1.5 times a value (e4m3 to fp16 a pair, fp16
+# to bf16 a value): each byte to the high byte of a 16-bit lane (prmt), its 7 low bits shifted to
+# bf16's bits 4..10 and its sign kept at bit 15, which is the bf16 of the value x 2^-120
+# (subnormals included, as bf16 subnormals); then times 2^120 (0x7B80) plus -0 (0x8000, which
+# keeps a zero's sign) by a bf16x2 fma (sm_80 on), which takes subnormal inputs. The NaN codes
+# become +-480 (a KV cache holds none). tests/test_mla_decode_gluon.py runs these instructions on
+# all 256 codes.
 E4M3_TO_BF16_ASM = tl.constexpr("""{
 .reg .b32 a0, a1, b0, b1, c, z;
 prmt.b32 a0, 0, $2, 0x5140;
