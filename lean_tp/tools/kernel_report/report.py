@@ -27,6 +27,7 @@ from lean_tp.tools.kernel_report.sass import (
     kv_buffers,
     kv_copy_bytes,
     kv_load_bytes,
+    kv_loop_fp8_conversions,
     kv_loop_of_sass,
     kv_smem_read_bytes,
     merge_loop_of_sass,
@@ -103,6 +104,7 @@ class KernelStats:
     block_g: int = 0  # query rows of a row block (``BLOCK_G``)
     row_blocks: int = 0  # row blocks of a KV head (``NUM_GC``): reads of each key's row per query token
     smem_read_bytes: int = 0  # shared-memory bytes a K/V-loop iteration reads (``sass.kv_smem_read_bytes``)
+    fp8_conversions: int = 0  # conversion-unit fp8 upcasts a thread an iteration (``sass.kv_loop_fp8_conversions``)
 
     @property
     def head_dim_v(self) -> int:
@@ -206,6 +208,7 @@ def compile_stats(
         variant.block_g,
         variant.row_blocks,
         kv_smem_read_bytes(sass, variant.num_warps),
+        kv_loop_fp8_conversions(sass),
     )
 
 

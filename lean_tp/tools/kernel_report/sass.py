@@ -83,6 +83,16 @@ def kv_loop_of_sass(text: str) -> tuple[int, int]:
     return len(body), sum(op in ("LDL", "STL") for op in body)
 
 
+def kv_loop_fp8_conversions(text: str) -> int:
+    """The K/V loop's fp8 conversions on the conversion unit (``F2F``, and ``F2FP`` from e4m3 or
+    e5m2) in ``cuobjdump -sass`` output, a thread's an iteration: Triton's e4m3 to bf16 takes 1.5 a
+    value; ``attend.e4m3_to_bf16`` none."""
+    code, innermost = _sass_loops(text)
+    lo, hi = _kv_loop(code, innermost)
+    fp8 = re.compile(r"F2F\.\S+|F2FP\.\S*E[45]M[32]\S*")
+    return sum(bool(fp8.fullmatch(op)) for a, op in code if lo <= a <= hi)
+
+
 def kv_copy_bytes(text: str) -> int:
     """Bytes one thread copies from global memory in an iteration of the K/V loop: the 8- and
     16-byte ``LDGSTS`` (``.64``, ``.128``: cp.async into shared memory) and ``LDG`` (``.64``,
