@@ -658,6 +658,29 @@ def test_e4m3_loops_are_their_measurements_less_the_conversion_units_issue_time(
             assert LOOP_US[key[:2] + (2,) + key[3:]] <= loop_us(h100, *key[1:]) < us, key
 
 
+def test_a_routed_e4m3_call_is_modelled_with_its_conversion(monkeypatch):
+    """Where an e4m3 entry routes DP attention to the Gluon kernel (none does yet; set here), the
+    call is modelled as that kernel with each 64-key iteration its conversion's issue time longer:
+    2.7 + 256 x (288 / 64 + 72 / 128) clocks at 1.755 GHz = 3.44 us, about 1.27x the 16-bit call
+    where the loop is the time (B=32, 32k), and faster than the Triton kernel's e4m3 head units
+    (two 32-key iterations of 2.58 us for the same share)."""
+    import dataclasses
+
+    from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+    from lean_tp.tools.simulate.gluon import gluon_loop_us, routes_to_gluon
+
+    h100 = GPUS["H100"]
+    dp16 = Problem((32768,) * 32, 128, 1, 576, head_dim_v=512)
+    dp8 = dataclasses.replace(dp16, elem_size=1)
+    on_triton = lean_sim_schedule(dp8, h100).time_us
+    entry = ("sm90", 576, 1)
+    monkeypatch.setitem(TUNING_TABLE, entry, dataclasses.replace(TUNING_TABLE[entry], gluon_rows=128))
+    assert routes_to_gluon(dp8, lean_variant(dp8, h100))
+    assert abs(gluon_loop_us(h100, 1) - (2.7 + 256 * (288 / 64 + 72 / 128) / 1755)) < 1e-9
+    t16, t8 = lean_sim_schedule(dp16, h100).time_us, lean_sim_schedule(dp8, h100).time_us
+    assert 1.2 < t8 / t16 < 1.32 and t8 < on_triton / 1.3, (t16, t8, on_triton)
+
+
 def test_the_gluon_route_is_modelled_as_its_kernel():
     """DP attention's 128 heads at 16 bits on sm_90 (and 64 heads of 2 tokens) run on the Gluon
     kernel (``gluon_takes``, the cache in 64-row pages) and are modelled as it: one program an SM

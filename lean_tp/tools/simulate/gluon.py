@@ -24,7 +24,7 @@ from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.plan import DecodePlan
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS
 from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, STAGES, combine_form, gluon_grid, gluon_takes
-from lean_tp.tools.gpus import GPUModel
+from lean_tp.tools.gpus import BF16X2_RESULTS, INTEGER_RESULTS, LOOP_THREADS, GPUModel
 from lean_tp.tools.simulate.l2 import hbm_share
 from lean_tp.tools.simulate.problems import Problem
 from lean_tp.tools.simulate.schedules import (
@@ -41,8 +41,24 @@ from lean_tp.tools.simulate.schedules import (
 # B=128 (docs/results/2026-11-27-nvidia-h200-5.json): 32 x 512 x 2 and 128 x 512 x 2 iterations
 # over 132 SMs, 2.69 and 2.74 us each. The H100 shares the H200's SM and clocks (gpus.LOOP_US).
 GLUON_LOOP_US = {"sm90": 2.7}
+# An e4m3 pool's iteration adds its block's conversion to bf16 (``mla_gluon.kernel._convert_block``:
+# all 8 warps, in series with the products): 288 integer and 72 bf16x2 instructions a thread
+# (compiled for sm_90, triton 3.7.1), charged at ``gpus.INTEGER_RESULTS`` and ``BF16X2_RESULTS``.
+# Modelled, unmeasured; it applies where an e4m3 entry routes here (none does: gluon_takes).
+GLUON_E4M3_CONVERSION = (288, 72)
 # K/V blocks in flight while one computes: the kernel's TMA buffers but the one it reads.
 GLUON_BLOCKS_IN_FLIGHT = STAGES - 1
+
+
+def gluon_loop_us(gpu: GPUModel, elem_size: int) -> float | None:
+    """A 64-key iteration of the kernel on ``gpu`` (``GLUON_LOOP_US``), an e4m3 pool's (``elem_size``
+    1) with its conversion's issue time (``GLUON_E4M3_CONVERSION``); None where unmeasured."""
+    loop = GLUON_LOOP_US.get(gpu.arch)
+    if loop is None or elem_size != 1:
+        return loop
+    integer, bf16x2 = GLUON_E4M3_CONVERSION
+    clocks = LOOP_THREADS * (integer / INTEGER_RESULTS + bf16x2 / BF16X2_RESULTS)
+    return loop + clocks / (gpu.clock_ghz * 1e3)
 
 
 def gluon_plan(problem: Problem, variant: KernelVariant) -> DecodePlan:
@@ -74,7 +90,7 @@ def gluon_sim_schedule(problem: Problem, gpu: GPUModel) -> Schedule:
     seg_bytes = segment_bytes(programs, lens, BLOCK_N, bpt)
     n_on_sm = [int(sm < len(programs)) for sm in range(gpu.sms)]
     block = BLOCK_N * bpt
-    blocks, loop = (block, GLUON_BLOCKS_IN_FLIGHT * block), GLUON_LOOP_US.get(gpu.arch)
+    blocks, loop = (block, GLUON_BLOCKS_IN_FLIGHT * block), gluon_loop_us(gpu, problem.elem_size)
     roof = compute_roof(problem, gpu, ROWS)
 
     def clocks_at(from_hbm: float) -> list:
