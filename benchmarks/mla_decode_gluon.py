@@ -108,6 +108,7 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
     from lean_tp.tools.kernel_report.sass import (
         _kv_loop_instructions,
         dump,
+        kv_loop_fp8_conversions,
         kv_loop_of_sass,
         kv_smem_read_bytes,
         resources,
@@ -115,13 +116,12 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
 
     kernel = compile_sm90(fp8=fp8)
     regs, stack, _ = resources(kernel.asm["cubin"])
-    local_anywhere = len(re.findall(r"\b(?:LDL|STL)\b", dump(kernel.asm["cubin"], "-sass")))
     sass = dump(kernel.asm["cubin"], "-sass")
+    local_anywhere = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     instructions, local = kv_loop_of_sass(sass)
+    loop = _kv_loop_instructions(sass)
     # The opcode reads "HGMMA.64" and its operands "x32x16.F32.BF16 ...": the shape is both.
-    hgmma = sorted(
-        {(op + operands.split()[0]).rstrip(",") for op, operands in _kv_loop_instructions(sass) if op == "HGMMA.64"}
-    )
+    hgmma = sorted({(op + operands.split()[0]).rstrip(",") for op, operands in loop if op == "HGMMA.64"})
     return dict(
         registers=regs,
         stack_bytes=stack,
@@ -133,8 +133,8 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
         hgmma=hgmma,
         # The e4m3 conversion's: on the conversion unit (Triton's own, through fp16), or bf16x2
         # multiplies (``kernel.e4m3_to_bf16``).
-        conversions=sum(op.startswith(("F2F.", "F2FP.F16.E4M3")) for op, _ in _kv_loop_instructions(sass)),
-        bf16x2_multiplies=sum(op.startswith("HMUL2.BF16") for op, _ in _kv_loop_instructions(sass)),
+        conversions=kv_loop_fp8_conversions(sass),
+        bf16x2_multiplies=sum(op.startswith("HMUL2.BF16") for op, _ in loop),
     )
 
 
@@ -155,11 +155,11 @@ def run_on_gpu(n_keys: int) -> list[str]:
     keeps on Triton until this line says otherwise)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(sms // 2, 128, False), (32, 128, False), (32, 64, False), (sms // 2, 128, True), (32, 128, True)]
-    return [_gpu_line(n_keys, sequences, heads, fp8) for sequences, heads, fp8 in shapes]
+    return [_gpu_line(n_keys, sequences, heads, fp8, sms) for sequences, heads, fp8 in shapes]
 
 
-def _gpu_line(n_keys: int, sequences: int, heads: int, fp8: bool) -> str:
-    """``run_on_gpu``'s line of one shape."""
+def _gpu_line(n_keys: int, sequences: int, heads: int, fp8: bool, sms: int) -> str:
+    """``run_on_gpu``'s line of one shape on ``sms`` SMs."""
     from bench_decode import Timer
 
     from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
@@ -167,7 +167,6 @@ def _gpu_line(n_keys: int, sequences: int, heads: int, fp8: bool) -> str:
     def median_us(fn) -> float:
         return Timer(torch.device("cuda"), 20)([fn])[0] * 1e6
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     problem = paged_problem([n_keys] * sequences, heads=heads, fp8=fp8)
     q, pool, seqlens, table = problem
     scales = fp8_scales(pool)

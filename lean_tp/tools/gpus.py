@@ -92,6 +92,13 @@ CONVERSION_RESULTS, INTEGER_RESULTS, BF16X2_RESULTS = 16, 64, 128  # a clock an 
 LOOP_THREADS = 256  # the entries' 8 warps
 
 
+def issue_us(gpu: GPUModel, conversions: float = 0, integer: float = 0, bf16x2: float = 0) -> float:
+    """Microseconds an SM takes to issue a thread's ``conversions``, ``integer`` and ``bf16x2``
+    instructions in each of ``LOOP_THREADS`` threads, at their rates (``CONVERSION_RESULTS``...)."""
+    clocks = LOOP_THREADS * (conversions / CONVERSION_RESULTS + integer / INTEGER_RESULTS + bf16x2 / BF16X2_RESULTS)
+    return clocks / (gpu.clock_ghz * 1e3)
+
+
 def loop_us(gpu: GPUModel, head_dim: int, elem_bytes: int, block_g: int, block_n: int) -> float | None:
     """``LOOP_US`` of a kernel entry on ``gpu``, or None where it is not measured; an e4m3 entry's
     less the conversion's issue time ``E4M3_CONVERSION_CHANGE`` saves."""
@@ -100,8 +107,8 @@ def loop_us(gpu: GPUModel, head_dim: int, elem_bytes: int, block_g: int, block_n
     if key not in E4M3_CONVERSION_CHANGE or measured is None:
         return measured
     removed, integer, bf16x2 = E4M3_CONVERSION_CHANGE[key]
-    clocks = LOOP_THREADS * (removed / CONVERSION_RESULTS - integer / INTEGER_RESULTS - bf16x2 / BF16X2_RESULTS)
-    return max(measured - clocks / (gpu.clock_ghz * 1e3), LOOP_US[key[:2] + (2,) + key[3:]])
+    saved = issue_us(gpu, conversions=removed) - issue_us(gpu, integer=integer, bf16x2=bf16x2)
+    return max(measured - saved, LOOP_US[key[:2] + (2,) + key[3:]])
 
 
 # The GPUs a sweep models unless --gpu names others: the ones its published tables were made on.

@@ -353,9 +353,12 @@ def _store(out_ptr, lse_ptr, row0, m_i, l_i, acc, v_scale_ptr, FP8: gl.constexpr
     gl.store(lse_ptr + row0 + gl.arange(0, M, layout=m_i.type.layout), (m_i + gl.log2(l_i)) * 0.6931471805599453)
 
 
+# Gluon's types of the tensors the kernel's descriptors take (``str`` of each: its name in a
+# compiled signature).
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
 def smem_layout(shape: list[int], dtype: torch.dtype = torch.bfloat16):
     """The NVMMA shared layout of a [rows, cols] TMA box of a bf16 or e4m3 tensor (the descriptors'
     and the buffers')."""
-    return gl.NVMMASharedLayout.get_default_for(
-        shape, {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
-    )
+    return gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype])

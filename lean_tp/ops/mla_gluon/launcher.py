@@ -46,9 +46,9 @@ def gluon_takes(plan: DecodePlan) -> bool:
         return False
     pool_strides = (BLOCK_N * (DV + DR), DV + DR)  # (pages, 64, 1, 576) as (pages, 64, 576)
     takes_cache = layout.paged and layout.page_size == BLOCK_N and layout.k_strides[:2] == pool_strides
+    takes_cache = takes_cache and (f.fp8 or plan.dtype) in POOL_DTYPES
     takes_dims = plan.head_dim == DV + DR and layout.head_dim_v == DV and f.v_in_k
     takes_heads = layout.num_kv_heads == 1 and plan.group % ROWS == 0 and f.num_tokens <= MAX_TQ
-    takes_cache = takes_cache and f.fp8 in (None, torch.float8_e4m3fn)
     plain = not (f.softcap or f.window or f.sinks or f.leftpad or f.batch_invariant)
     return plan.dtype == torch.bfloat16 and takes_cache and takes_dims and takes_heads and plain
 
@@ -247,11 +247,10 @@ def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
+    from lean_tp.ops.mla_gluon.kernel import GL_DTYPES, mla_decode_gluon_kernel, smem_layout
 
     def desc(shape: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
-        name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}[dtype]
-        return f"tensordesc<{name}[{shape[0]},{shape[1]}],{smem_layout(shape, dtype)!r}>"
+        return f"tensordesc<{GL_DTYPES[dtype]}[{shape[0]},{shape[1]}],{smem_layout(shape, dtype)!r}>"
 
     kv = torch.float8_e4m3fn if fp8 else torch.bfloat16
     pointers = dict(out_ptr="*bf16", lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")

@@ -24,7 +24,7 @@ from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.plan import DecodePlan
 from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS
 from lean_tp.ops.mla_gluon.launcher import BLOCK_N, DV, ROWS, STAGES, combine_form, gluon_grid, gluon_takes
-from lean_tp.tools.gpus import BF16X2_RESULTS, INTEGER_RESULTS, LOOP_THREADS, GPUModel
+from lean_tp.tools.gpus import GPUModel, issue_us
 from lean_tp.tools.simulate.l2 import hbm_share
 from lean_tp.tools.simulate.problems import Problem
 from lean_tp.tools.simulate.schedules import (
@@ -43,7 +43,7 @@ from lean_tp.tools.simulate.schedules import (
 GLUON_LOOP_US = {"sm90": 2.7}
 # An e4m3 pool's iteration adds its block's conversion to bf16 (``mla_gluon.kernel._convert_block``:
 # all 8 warps, in series with the products): 288 integer and 72 bf16x2 instructions a thread
-# (compiled for sm_90, triton 3.7.1), charged at ``gpus.INTEGER_RESULTS`` and ``BF16X2_RESULTS``.
+# (compiled for sm_90, triton 3.7.1), charged at their rates (``gpus.issue_us``).
 # Modelled, unmeasured; it applies where an e4m3 entry routes here (none does: gluon_takes).
 GLUON_E4M3_CONVERSION = (288, 72)
 # K/V blocks in flight while one computes: the kernel's TMA buffers but the one it reads.
@@ -57,8 +57,7 @@ def gluon_loop_us(gpu: GPUModel, elem_size: int) -> float | None:
     if loop is None or elem_size != 1:
         return loop
     integer, bf16x2 = GLUON_E4M3_CONVERSION
-    clocks = LOOP_THREADS * (integer / INTEGER_RESULTS + bf16x2 / BF16X2_RESULTS)
-    return loop + clocks / (gpu.clock_ghz * 1e3)
+    return loop + issue_us(gpu, integer=integer, bf16x2=bf16x2)
 
 
 def gluon_plan(problem: Problem, variant: KernelVariant) -> DecodePlan:
