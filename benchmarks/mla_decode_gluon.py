@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the compiled statistics as JSON, nothing else")
     parser.add_argument("--fp8", action="store_true", help="with --json: the kernel for an e4m3 pool")
     args = parser.parse_args(argv)
+    if args.fp8 and not args.json:
+        parser.error("--fp8: expected with --json (without it both kernels' statistics are printed)")
     if args.json:
         print(json.dumps(compiled_stats(args.fp8)))
         return 0

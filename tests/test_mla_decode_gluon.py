@@ -66,6 +66,13 @@ def test_the_gluon_mla_kernel_compiles_for_sm90_within_its_budget():
     assert 0 < stats["loop_sass"] < 670, stats
 
 
+def test_the_benchmarks_fp8_flag_is_refused_without_json(capsys):
+    """``--fp8`` picks which kernel ``--json`` prints; alone it is a mistake, named in one line."""
+    with pytest.raises(SystemExit):
+        _script().main(["--fp8"])
+    assert "--fp8: expected with --json" in capsys.readouterr().err
+
+
 def test_a_calls_kernel_breakdown_reads_longest_first():
     """The benchmark's line of a call's device time by kernel (``breakdown_on_gpu``, GPU only):
     kernels by name without their arguments, the longest first, and their sum; gpu_check keeps it."""
