@@ -6,15 +6,17 @@ to this one) on DP attention's shapes, 64-row pages.
 Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 495
 SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's
 670 SASS a 32-key iteration and 13120 bytes a key (kernel report). For an e4m3 pool: the same
-shared memory, 1018 SASS an iteration, 360 of them the conversion (``kernel.e4m3_to_bf16``: 72
+shared memory, 1018 SASS an iteration, 360 of them the conversion (``tiles.e4m3_to_bf16``: 72
 PRMT, 144 LOP3, 72 SHF and 72 bf16x2 multiplies a thread), and 19 local loads and stores (mostly
-loop-invariant words reloaded from L1).
+loop-invariant words reloaded from L1). The overlapped 16-bit loop (``launcher.OVERLAP``: each
+block's score issued behind the P.V before it, the row sums added once a segment): 536 SASS and 5
+CTA barriers an iteration against 495 and 9, no local memory.
 
 Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact
 against float64, 1328 us for 66 sequences of 128 heads and 32k keys against the Triton kernel's
 2549, 2.59 us a 64-key iteration of an SM (docs/mla.md). On a GPU it also checks and times the
-kernel on an e4m3 pool (not yet run on a GPU; the entry routes no e4m3 call to it) and prints
-one sequence's call by kernel (``breakdown_on_gpu``)."""
+kernel on an e4m3 pool and the overlapped loop on 16-bit ones (neither yet run on a GPU: no call
+takes them), and prints one sequence's call by kernel (``breakdown_on_gpu``)."""
 
 from __future__ import annotations
 
@@ -101,10 +103,11 @@ def lean_inputs(
     return args | fp8_scales(pool)
 
 
-def compiled_stats(fp8: bool = False) -> dict[str, int]:
+def compiled_stats(fp8: bool = False, overlap: bool = False) -> dict[str, int]:
     """The sm_90 kernel's registers, stack bytes, shared memory bytes, and its K/V loop's SASS,
-    local loads/stores and shared-memory bytes read a key (``lean_tp.tools.kernel_report.sass``),
-    with the HGMMA shapes of the loop (``fp8``: for an e4m3 pool, with the loop's conversions)."""
+    local loads/stores, CTA barriers and shared-memory bytes read a key
+    (``lean_tp.tools.kernel_report.sass``), with the HGMMA shapes of the loop (``fp8``: for an e4m3
+    pool, with the loop's conversions; ``overlap``: the overlapped 16-bit loop)."""
     from lean_tp.tools.kernel_report.sass import (
         _kv_loop_instructions,
         dump,
@@ -114,7 +117,7 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
         resources,
     )
 
-    kernel = compile_sm90(fp8=fp8)
+    kernel = compile_sm90(fp8=fp8, overlap=overlap)
     regs, stack, _ = resources(kernel.asm["cubin"])
     sass = dump(kernel.asm["cubin"], "-sass")
     local_anywhere = len(re.findall(r"\b(?:LDL|STL)\b", sass))
@@ -129,20 +132,23 @@ def compiled_stats(fp8: bool = False) -> dict[str, int]:
         loop_sass=instructions,
         loop_local=local,
         local_anywhere=local_anywhere,
+        loop_barriers=sum(op.startswith("BAR.SYNC") for op, _ in loop),
+        # How many products each wait on the tensor cores leaves in flight ("DEPBAR.LE gsb0, 0x2").
+        mma_waits=sorted(int(operands.split(",")[-1], 16) for op, operands in loop if op == "WARPGROUP.DEPBAR.LE"),
         smem_read_per_key=kv_smem_read_bytes(sass, 8) // BLOCK_N,
         hgmma=hgmma,
         # The e4m3 conversion's: on the conversion unit (Triton's own, through fp16), or bf16x2
-        # multiplies (``kernel.e4m3_to_bf16``).
+        # multiplies (``tiles.e4m3_to_bf16``).
         conversions=kv_loop_fp8_conversions(sass),
         bf16x2_multiplies=sum(op.startswith("HMUL2.BF16") for op, _ in loop),
     )
 
 
-def stats_line(stats: dict, cache: str = "bf16") -> str:
+def stats_line(stats: dict, kernel: str = "bf16 pool") -> str:
     return (
-        f"sm_90, {cache} pool: {stats['registers']} registers, {stats['stack_bytes']} bytes of stack, {stats['loop_local']} local "
-        f"loads/stores in the loop, {stats['shared_bytes']} bytes of shared memory, {stats['loop_sass']} SASS a "
-        f"{BLOCK_N}-key iteration, {stats['smem_read_per_key']} bytes of shared-memory reads a key, {stats['conversions']} conversions, "
+        f"sm_90, {kernel}: {stats['registers']} registers, {stats['stack_bytes']} bytes of stack, {stats['loop_local']} local "
+        f"loads/stores in the loop, {stats['shared_bytes']} bytes of shared memory, {stats['loop_sass']} SASS and "
+        f"{stats['loop_barriers']} CTA barriers a {BLOCK_N}-key iteration, {stats['smem_read_per_key']} bytes of shared-memory reads a key, {stats['conversions']} conversions, "
         f"{stats['hgmma']}"
     )
 
@@ -159,7 +165,8 @@ def run_on_gpu(n_keys: int) -> list[str]:
 
 
 def _gpu_line(n_keys: int, sequences: int, heads: int, fp8: bool, sms: int) -> str:
-    """``run_on_gpu``'s line of one shape on ``sms`` SMs."""
+    """``run_on_gpu``'s line of one shape on ``sms`` SMs; a 16-bit pool's with the overlapped loop
+    (``launcher.OVERLAP``) checked and timed beside the serial one."""
     from bench_decode import Timer
 
     from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
@@ -170,21 +177,26 @@ def _gpu_line(n_keys: int, sequences: int, heads: int, fp8: bool, sms: int) -> s
     problem = paged_problem([n_keys] * sequences, heads=heads, fp8=fp8)
     q, pool, seqlens, table = problem
     scales = fp8_scales(pool)
-    out, lse = mla_decode_gluon(*problem, **scales)
     ref_out, ref_lse = reference(q[:2], pool, seqlens[:2], table[:2])
-    nonfinite = int((~out.isfinite()).sum()) + int((~lse.isfinite()).sum())  # every length > 0
-    out_err = (out[:2].double() - ref_out).abs().max().item()  # 2 sequences: float64's cost
-    lse_err = (lse[:2].double() - ref_lse).abs().max().item()
     step = mla_gluon_schedule(seqlens, table, heads)  # once a step, as FlashMLA's metadata
-    gluon_us = median_us(lambda: mla_decode_gluon(*problem, schedule=step, **scales))
+    iterations = sequences * heads // 64 * -(-n_keys // BLOCK_N) / sms
+    loops = []
+    for overlap in (False,) if fp8 else (False, True):
+        out, lse = mla_decode_gluon(*problem, **scales, overlap=overlap)
+        nonfinite = int((~out.isfinite()).sum()) + int((~lse.isfinite()).sum())  # every length > 0
+        out_err = (out[:2].double() - ref_out).abs().max().item()  # 2 sequences: float64's cost
+        lse_err = (lse[:2].double() - ref_lse).abs().max().item()
+        us = median_us(lambda: mla_decode_gluon(*problem, schedule=step, **scales, overlap=overlap))
+        loops.append(
+            f"gluon{', overlapped' if overlap else ''}: {nonfinite} values not finite, max |out - float64| "
+            f"{out_err:.2e}, |lse - float64| {lse_err:.2e}, {us:.1f} us ({us / iterations:.2f} us a {BLOCK_N}-key "
+            "iteration of an SM)"
+        )
     lean_args = dict(lean_inputs(*problem), softmax_scale=(DV + DR) ** -0.5)
     triton_us = median_us(lambda: decode_attention_fwd(**lean_args)[0])
-    iterations = sequences * heads // 64 * -(-n_keys // BLOCK_N) / sms
     return (
-        f"{sequences} sequences x {heads} heads x {n_keys} keys, 64-row pages, {pool.dtype} pool: {nonfinite} "
-        f"values not finite, max |out - float64| {out_err:.2e}, |lse - float64| {lse_err:.2e}; gluon "
-        f"{gluon_us:.1f} us ({gluon_us / iterations:.2f} us a {BLOCK_N}-key iteration of an SM), lean's Triton "
-        f"kernel {triton_us:.1f} us"
+        f"{sequences} sequences x {heads} heads x {n_keys} keys, 64-row pages, {pool.dtype} pool: "
+        f"{'; '.join(loops)}; lean's Triton kernel {triton_us:.1f} us"
     )
 
 
@@ -235,14 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=32768, help="keys a sequence, on a GPU (32768)")
     parser.add_argument("--json", action="store_true", help="print the compiled statistics as JSON, nothing else")
     parser.add_argument("--fp8", action="store_true", help="with --json: the kernel for an e4m3 pool")
+    parser.add_argument("--overlap", action="store_true", help="with --json: the overlapped 16-bit loop")
     args = parser.parse_args(argv)
-    if args.fp8 and not args.json:
-        parser.error("--fp8: expected with --json (without it both kernels' statistics are printed)")
+    for flag in ("fp8", "overlap"):
+        if getattr(args, flag) and not args.json:
+            parser.error(f"--{flag}: expected with --json (without it every kernel's statistics are printed)")
+    if args.fp8 and args.overlap:
+        parser.error("--overlap: expected without --fp8 (an e4m3 pool's loop is not overlapped)")
     if args.json:
-        print(json.dumps(compiled_stats(args.fp8)))
+        print(json.dumps(compiled_stats(args.fp8, args.overlap)))
         return 0
     print(stats_line(compiled_stats()))
-    print(stats_line(compiled_stats(fp8=True), "e4m3"))
+    print(stats_line(compiled_stats(overlap=True), "bf16 pool, overlapped loop"))
+    print(stats_line(compiled_stats(fp8=True), "e4m3 pool"))
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         print("\n".join(run_on_gpu(args.keys) + breakdown_on_gpu(args.keys)))
     else:

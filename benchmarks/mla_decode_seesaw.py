@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # The Gluon kernel's version shims (the barrier of the warps that run it, the TMA load), its
 # buffers' shared layout and its zeroing of a page's rows past a sequence's end.
-from lean_tp.ops.mla_gluon.kernel import cta_barrier, smem_layout, tma_load, zero_rows_from
+from lean_tp.ops.mla_gluon.tiles import cta_barrier, smem_layout, tma_load, zero_rows_from
 
 # The kernel's shape: query rows a program, latent and rope columns, keys a block (a page), V's
 # columns a warp group.

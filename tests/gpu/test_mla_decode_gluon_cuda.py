@@ -26,15 +26,17 @@ from lean_tp.ops.mla_gluon import mla_decode_gluon as decode  # noqa: E402
 
 @pytest.mark.parametrize("heads,tq", [(64, 1), (128, 1), (128, 2), (64, 4)])
 @pytest.mark.parametrize("num_programs", [2, 16, None])
-def test_mla_decode_gluon_matches_float64(heads, tq, num_programs):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mla_decode_gluon_matches_float64(heads, tq, num_programs, overlap):
     """Every length in one launch: on 2 programs each holds many outputs, on 16 some outputs span
     several programs, on every SM most are split; with Tq query tokens (MTP), each token sees the
     keys up to its own position (none for the first tokens at length 1; 65 hides keys of two
     tiles from the first of 4). Nothing is prefilled: the kernel and the merge write every value
-    (NaN pages would show in any row computed from them)."""
+    (NaN pages would show in any row computed from them). Both 16-bit loops: the serial one and
+    the overlapped one (``launcher.OVERLAP``)."""
     lens = [0, 1, 63, 64, 65, 1000, 4099, 130]
     q, pool, seqlens, table = mla_decode_gluon.paged_problem(lens, heads=heads, seed=heads + tq, tq=tq)
-    out, lse = decode(q, pool, seqlens, table, num_programs=num_programs)
+    out, lse = decode(q, pool, seqlens, table, num_programs=num_programs, overlap=overlap)
     ref_out, ref_lse = mla_decode_gluon.reference(q, pool, seqlens, table)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)

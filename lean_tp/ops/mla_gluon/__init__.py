@@ -9,7 +9,9 @@ in 64-row blocks, up to 16 query tokens a sequence, and a tuning entry that sets
 DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md). The kernel
 also reads e4m3 pools (``mla_decode_gluon`` with ``k_scale`` and ``v_scale``; the op passes an
 e4m3 call's scales), and the e4m3 entry sets no ``gluon_rows``: its calls stay on the Triton
-kernel until a GPU has timed this one against it (benchmarks/mla_decode_gluon.py).
+kernel until a GPU has timed this one against it (benchmarks/mla_decode_gluon.py). So does the
+16-bit loop that overlaps a block's score with the P.V before it (``launcher.OVERLAP``): calls
+keep the serial loop the H200 measured until the benchmark has timed the two.
 """
 
 from lean_tp.ops.mla_gluon.launcher import mla_decode_gluon, mla_gluon_schedule

@@ -13,6 +13,10 @@ and P.V (each group 256 of the 512 output columns, P through shared memory, V th
 columns). An output no other program shares is stored normalized in bf16 with its lse; a split
 one's fp32 partial goes to the program's workspace slot for ``combine.mla_combine_kernel``.
 
+A block's products run in series with its softmax (``_blocks_serial``, the loop the H200
+measured), or, with ``OVERLAP`` (a 16-bit pool), each block's score is issued right behind the
+P.V of the block before it and the row sums are added up once a segment (``_blocks_overlapped``).
+
 An e4m3 pool (``FP8``) is copied in bytes, half a 16-bit block's, into the same two buffers; all
 8 warps convert each block into one bf16 copy (exact: every e4m3 value is a bf16 one), which both
 products read as they read a 16-bit block, and the block's buffer is reloaded as soon as it is
@@ -21,26 +25,17 @@ converted. The two 36 KB buffers and the 72 KB copy take the shared memory two 7
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from lean_tp.ops.decode_attention.attend import E4M3_TO_BF16_ASM
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, cdiv, next_unit, program_of_tile
-
-# The CTA barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 (inside a
-# warp-specialized partition, a barrier of the partition's warps).
-cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-# A TMA load is tma.async_load from triton 3.8 (3.9 removes async_copy_global_to_shared), and
-# tma.async_copy_global_to_shared before it; the arguments are the same.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from lean_tp.ops.mla_gluon.tiles import convert_block, cta_barrier, tma_load, zero_rows_from
 
 
 @gluon.jit
@@ -67,6 +62,7 @@ def mla_decode_gluon_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     FP8: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """q rows of head unit (b, hu): [64 (b HU + hu), +64) of qn_desc ([R, 512] blocks) and qr_desc
     ([R, 64] at column 512); key j of sequence b on page block_table[b, j // 64] of the pool
@@ -132,14 +128,18 @@ def mla_decode_gluon_kernel(
         split = n_contrib > 1
         dest = gl.where(split, (pid * 2 + (t0 < out_start).to(gl.int32)) * M, row0)
         m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.full([M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        # Row sums: kept per key where the blocks overlap (``_softmax``), else added up each block.
+        if OVERLAP:
+            l_i = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+        else:
+            l_i = gl.full([M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([M, DV], gl.float32, o_layout)
         if n_blocks > 0:
             m_i, l_i, acc = _segment(
                 qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars,
                 kr_bars, cvt, row0, block_table_ptr + b * table_stride + tile, n_blocks,
                 unit_len - (tile + n_blocks - 1) * BLOCK_N, done, segments, scale_log2, m_i, l_i, acc,
-                BLOCK_N, STAGES, FP8,
+                BLOCK_N, STAGES, FP8, OVERLAP,
             )  # fmt: skip
             segments += 1
         if split:
@@ -188,14 +188,12 @@ def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES:
 def _segment(
     qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars, kr_bars,
     cvt, q_row, pages, n_blocks, last_valid, done, segments, scale_log2, m_i, l_i, acc,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """One output's blocks of this program (n_blocks >= 1), folded into (m_i, l_i, acc): the pages
     from ``pages`` against q rows [q_row, q_row + 64), the last block's keys from ``last_valid``
-    (1 to 64) on masked and its rows there zeroed; block i uses buffer (done + i) % STAGES. With
-    ``FP8`` each block is converted into ``cvt`` (bf16 latent and rope parts), and its buffer
-    reloaded as soon as it is converted. Returns (row max in log2 units, row sum, unnormalized
-    output)."""
+    (1 to 64) on masked and its rows there zeroed; block i uses buffer (done + i) % STAGES. Returns
+    (row max in log2 units, row sums as ``_softmax`` keeps them, unnormalized output)."""
     DV: gl.constexpr = 512
     # The previous segment's blocks and q are read by both warp groups until here.
     cta_barrier()
@@ -207,43 +205,119 @@ def _segment(
         row = gl.load(pages + st, mask=st < n_blocks, other=0) * BLOCK_N
         _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row, st < n_blocks)
     mbarrier.wait(q_bar, phase=segments & 1)
+    bufs = (kn_smem, kr_smem, kn_bars, kr_bars)
+    if OVERLAP:
+        m_i, l_i, acc = _blocks_overlapped(
+            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2,
+            m_i, l_i, acc, BLOCK_N, STAGES,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _blocks_serial(
+            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, cvt, pages, n_blocks, last_valid, done, scale_log2,
+            m_i, l_i, acc, BLOCK_N, STAGES, FP8,
+        )  # fmt: skip
+    return m_i, l_i, acc
 
-    # Every block but the segment's last is whole: no mask.
+
+@gluon.jit
+def _blocks_overlapped(
+    kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2, m_i, l_i, acc,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """``_segment``'s blocks from a 16-bit pool, each block's score issued right behind the P.V of
+    the block before it: the tensor cores take the two products back to back, and the buffer that
+    P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``). Every
+    block but the segment's last is whole: no mask."""
+    kn_smem, kr_smem, kn_bars, kr_bars = bufs
+    first = done % STAGES
+    _wait_block(kn_bars, kr_bars, done, STAGES)
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    s_tok = _score(qn_smem, qr_smem, kn_smem.index(first), kr_smem.index(first), s_layout)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
-        phase = ((done + j) // STAGES) & 1
+        nslot = (done + j + 1) % STAGES
         nxt = j + STAGES
-        # The page of block j + STAGES, loaded while this block computes.
+        # The page of block j + STAGES, loaded into this block's buffer once its P.V is done.
         nxt_row = gl.load(pages + nxt, mask=nxt < n_blocks, other=0) * BLOCK_N
-        mbarrier.wait(kn_bars.index(slot), phase)
-        mbarrier.wait(kr_bars.index(slot), phase)
-        kn = kn_smem.index(slot)
-        kr = kr_smem.index(slot)
+        m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, BLOCK_N, scale_log2, False)
+        acc = _rescale(acc, alpha)
+        o_tok = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
+        _wait_block(kn_bars, kr_bars, done + j + 1, STAGES)
+        s_tok = _score(qn_smem, qr_smem, kn_smem.index(nslot), kr_smem.index(nslot), s_layout)
+        # P.V was committed before the score's two products: with those two outstanding it is done.
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(o_tok,))
+        cta_barrier()  # both groups are done with this block and with P
+        _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    # Its rows past the sequence's end zeroed before P.V reads them (the score's are masked).
+    last = (done + n_blocks - 1) % STAGES
+    if last_valid < BLOCK_N:
+        zero_rows_from(kn_smem.index(last), last_valid)
+    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, last_valid, scale_log2, True)
+    acc = _rescale(acc, alpha)
+    o_tok = warpgroup_mma(p_smem, kn_smem.index(last), acc, is_async=True)
+    return m_i, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+
+
+@gluon.jit
+def _blocks_serial(
+    kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, cvt, pages, n_blocks, last_valid, done, scale_log2,
+    m_i, l_i, acc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+):  # fmt: skip
+    """``_segment``'s blocks, each block's score after the P.V before it. A 16-bit block's buffer is
+    reloaded once both groups are done with its P.V; an e4m3 block is converted into ``cvt`` (bf16
+    latent and rope parts), which both products read, and its buffer reloaded as soon as it is
+    converted. Every block but the segment's last is whole: no mask."""
+    kn_smem, kr_smem, kn_bars, kr_bars = bufs
+    for j in range(n_blocks - 1):
+        slot = (done + j) % STAGES
+        nxt = j + STAGES
+        nxt_row = gl.load(pages + nxt, mask=nxt < n_blocks, other=0) * BLOCK_N
+        _wait_block(kn_bars, kr_bars, done + j, STAGES)
+        kv = (kn_smem.index(slot), kr_smem.index(slot))
         if FP8:
-            _convert_block(kn, kr, cvt[0], cvt[1], BLOCK_N, False)
+            convert_block(kv[0], kv[1], cvt[0], cvt[1], BLOCK_N, False)
             _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
-            kn = cvt[0]
-            kr = cvt[1]
-        m_i, l_i, acc = _attend_block(
-            qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, BLOCK_N, False
-        )
-        # Both groups are done with the block and with P: block j + STAGES into the slot (an fp8
-        # block's: the next block into the bf16 copy).
-        cta_barrier()
+            kv = cvt
+        m_i, l_i, acc = _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False)
+        cta_barrier()  # both groups are done with the block (or its copy) and with P
         if not FP8:
             _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
     last = done + n_blocks - 1
-    mbarrier.wait(kn_bars.index(last % STAGES), (last // STAGES) & 1)
-    mbarrier.wait(kr_bars.index(last % STAGES), (last // STAGES) & 1)
-    kn = kn_smem.index(last % STAGES)
-    kr = kr_smem.index(last % STAGES)
+    _wait_block(kn_bars, kr_bars, last, STAGES)
+    kv = (kn_smem.index(last % STAGES), kr_smem.index(last % STAGES))
     if FP8:
-        _convert_block(kn, kr, cvt[0], cvt[1], last_valid, True)
-        kn = cvt[0]
-        kr = cvt[1]
+        convert_block(kv[0], kv[1], cvt[0], cvt[1], last_valid, True)
+        kv = cvt
     elif last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
-        zero_rows_from(kn, last_valid)
-    return _attend_block(qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, last_valid, scale_log2, BLOCK_N, True)
+        zero_rows_from(kv[0], last_valid)
+    return _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, last_valid, scale_log2, True)
+
+
+@gluon.jit
+def _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, valid, scale_log2, MASK: gl.constexpr):
+    """One block (``kv``: its latent and rope parts in shared memory) into the running (m_i, l_i,
+    acc), its score and P.V in series."""
+    s_tok = _score(qn_smem, qr_smem, kv[0], kv[1], m_i.type.layout.parent)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK)
+    acc = _rescale(acc, alpha)
+    o_tok = warpgroup_mma(p_smem, kv[0], acc, is_async=True)
+    return m_i, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    """The output's rows ([64, 256] a warp group) times their rescale (``_softmax``'s alpha)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
+def _wait_block(kn_bars, kr_bars, i, STAGES: gl.constexpr):
+    """Until the program's block ``i`` (counted over its segments) has landed in buffer i % STAGES."""
+    mbarrier.wait(kn_bars.index(i % STAGES), (i // STAGES) & 1)
+    mbarrier.wait(kr_bars.index(i % STAGES), (i // STAGES) & 1)
 
 
 @gluon.jit
@@ -258,80 +332,38 @@ def _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row,
 
 
 @gluon.jit
-def _attend_block(
-    qn_smem, qr_smem, kn, kr, p_smem, m_i, l_i, acc, valid, scale_log2, BLOCK_N: gl.constexpr, MASK: gl.constexpr
-):
-    """One block of keys into the running (m_i, l_i, acc) of the program's 64 rows: S = q K^T
-    (q from shared memory, the K tile viewed [D, BLOCK_N]), with ``MASK`` keys from ``valid`` on
-    at -inf, then P.V with P through shared memory (each warp group wrote half its columns and
-    reads all of them)."""
-    s_layout: gl.constexpr = m_i.type.layout.parent
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+def _score(qn_smem, qr_smem, kn, kr, s_layout: gl.constexpr):
+    """S = q K^T of one block (q from shared memory, the K tile viewed [D, BLOCK_N]), issued: the
+    token of its two products (latent and rope columns)."""
+    N: gl.constexpr = kn.shape[0]
+    s_zero = gl.zeros([64, N], gl.float32, s_layout)
     s_tok = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_tok = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_tok, is_async=True)
-    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * scale_log2
+    return warpgroup_mma(qr_smem, kr.permute((1, 0)), s_tok, is_async=True)
+
+
+@gluon.jit
+def _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK: gl.constexpr):
+    """A block's scores into the running row max ``m_i`` (log2 units) and row sums ``l_i``, and P
+    (bf16) into ``p_smem`` for both groups' P.V; ``MASK``: keys from ``valid`` on at -inf. Row sums
+    of shape [64] are added up each block, a sum across the two warp groups (three CTA barriers
+    compiled); of shape [64, BLOCK_N] they stay per key, each group's own, rescaled with the rows,
+    and ``_store`` adds them up once. Returns (m, l, the rows' rescale)."""
+    s_layout: gl.constexpr = scores.type.layout
+    scores = scores * scale_log2
     if MASK:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols = gl.arange(0, scores.shape[1], layout=gl.SliceLayout(0, s_layout))
         scores = gl.where(gl.expand_dims(cols < valid, 0), scores, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(scores - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    if len(l_i.shape) == 2:
+        l_i = l_i * gl.expand_dims(alpha, 1) + p
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
     cta_barrier()
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    o_tok = warpgroup_mma(p_smem, kn, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _convert_block(kn8, kr8, kn, kr, first, MASK: gl.constexpr):
-    """An fp8 block's latent (kn8 [64, 512]) and rope rows (kr8 [64, 64]) converted to bf16 into
-    kn and kr (exact: every e4m3 value is a bf16 one), with ``MASK`` rows from ``first`` on zeroed
-    (past a sequence's end, as ``zero_rows_from``), by all the CTA's warps: 16 bytes a thread a
-    load, the latent rows in column slices of 128 so the registers it needs stay few."""
-    COLS: gl.constexpr = 128
-    wide: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
-    narrow: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
-    rows = gl.arange(0, kn8.shape[0], layout=gl.SliceLayout(1, wide))
-    for c in gl.static_range(kn8.shape[1] // COLS):
-        part = e4m3_to_bf16(kn8.slice(c * COLS, COLS, dim=1).load(wide))
-        if MASK:
-            part = gl.where(gl.expand_dims(rows < first, 1), part, 0.0)
-        kn.slice(c * COLS, COLS, dim=1).store(part)
-    rope = e4m3_to_bf16(kr8.load(narrow))
-    if MASK:
-        rows_r = gl.arange(0, kr8.shape[0], layout=gl.SliceLayout(1, narrow))
-        rope = gl.where(gl.expand_dims(rows_r < first, 1), rope, 0.0)
-    kr.store(rope)
-    fence_async_shared()
-    cta_barrier()
-
-
-@gluon.jit
-def e4m3_to_bf16(x):
-    """float8_e4m3fn values as bf16, exactly: ``attend.E4M3_TO_BF16_ASM``, as the Triton kernel
-    converts them."""
-    return gl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,=r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def zero_rows_from(tile, first):
-    """Rows [first, rows) of a K/V tile ([rows, 512] bf16) in shared memory set to 0 by the warps
-    that run it (the CTA's, or a warp-specialized partition's): past a sequence's end its last
-    page holds whatever the pool has there, and a masked score (P = 0) times a NaN there is NaN.
-    In column slices of 128, so the registers it needs stay few."""
-    COLS: gl.constexpr = 128
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    keep = gl.expand_dims(gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout)) < first, 1)
-    for c in gl.static_range(tile.shape[1] // COLS):
-        part = tile.slice(c * COLS, COLS, dim=1)
-        part.store(gl.where(keep, part.load(layout), 0.0).to(gl.bfloat16))
-    fence_async_shared()
-    cta_barrier()
+    return m_new, l_i, alpha
 
 
 @gluon.jit
@@ -343,22 +375,14 @@ def _store(out_ptr, lse_ptr, row0, m_i, l_i, acc, v_scale_ptr, FP8: gl.constexpr
     DV: gl.constexpr = 512
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_o = gl.convert_layout(l_i, row_o)
+    l_sum = l_i
+    if len(l_i.shape) == 2:  # per key (``_softmax``)
+        l_sum = gl.sum(l_i, axis=1)
+    l_o = gl.convert_layout(l_sum, row_o)
     out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
     if FP8:
         out = out * gl.load(v_scale_ptr)
     rows_o = row0 + gl.arange(0, M, layout=row_o)
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + gl.expand_dims(rows_o, 1) * DV + gl.expand_dims(cols_o, 0), out.to(out_ptr.dtype.element_ty))
-    gl.store(lse_ptr + row0 + gl.arange(0, M, layout=m_i.type.layout), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-
-
-# Gluon's types of the tensors the kernel's descriptors take (``str`` of each: its name in a
-# compiled signature).
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
-
-
-def smem_layout(shape: list[int], dtype: torch.dtype = torch.bfloat16):
-    """The NVMMA shared layout of a [rows, cols] TMA box of a bf16 or e4m3 tensor (the descriptors'
-    and the buffers')."""
-    return gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype])
+    gl.store(lse_ptr + row0 + gl.arange(0, M, layout=m_i.type.layout), (m_i + gl.log2(l_sum)) * 0.6931471805599453)

@@ -17,6 +17,12 @@ from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 # and rope columns of a cache row; keys a tile (a page), K/V buffers.
 ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
+# A 16-bit pool's loop with each block's score issued behind the P.V before it and the row sums
+# added once a segment (``kernel._blocks_overlapped``): 5 CTA barriers a 64-key iteration against
+# 9, the tensor cores given P.V and the next score back to back, 536 SASS against 495, no local
+# memory (compiled for sm_90). Not yet run on a GPU, so calls keep the loop the H200 measured until
+# benchmarks/mla_decode_gluon.py's lines show it exact and faster.
+OVERLAP = False
 # The merge's form, (columns a program folds, partials it loads a step, warps), by whether an
 # output has many contributors when lengths are even (programs / outputs: shapes only, no sync).
 # Many (one sequence on every SM: 66 an output): 32 programs an output, each waiting on memory 5
@@ -179,6 +185,7 @@ def mla_decode_gluon(
     schedule: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    overlap: bool = OVERLAP,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode on sm_90: out (q's shape, last dim 512) bf16 and lse (q's shape without its last
     dim) fp32 (natural log; 0 and -inf for a query that sees no key).
@@ -196,10 +203,13 @@ def mla_decode_gluon(
             for these lengths; computed here when None.
         k_scale, v_scale: (1,) float32 on q's device, an fp8 pool's only (required there): a row's
             value is its bytes times k_scale in the score and v_scale in the output.
+        overlap: a 16-bit pool's blocks through the overlapped loop (``OVERLAP``); an e4m3 pool's
+            blocks keep the serial one.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel, smem_layout
+    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel
+    from lean_tp.ops.mla_gluon.tiles import smem_layout
 
     check_gluon_inputs(q, pool, cache_seqlens, block_table, k_scale, v_scale)
     fp8 = pool.dtype == torch.float8_e4m3fn
@@ -224,7 +234,7 @@ def mla_decode_gluon(
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
         out, lse, part_out, part_lse, k_scale if fp8 else lse, v_scale if fp8 else lse, schedule, seqlens,
         block_table, block_table.stride(0), batch, scale * math.log2(math.e), head_units, head_units, tq,
-        BLOCK_N, STAGES, fp8, num_warps=8,
+        BLOCK_N, STAGES, fp8, overlap and not fp8, num_warps=8,
     )  # fmt: skip
     combine(schedule, seqlens, part_out, part_lse, out, lse, head_units)
     return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
@@ -241,13 +251,15 @@ def check_schedule(schedule: torch.Tensor, head_units: int, device: torch.device
         )
 
 
-def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False):
+def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False, overlap: bool = False):
     """The kernel compiled for sm_90 on any machine, its descriptors' types as a launch has them
-    (``fp8``: an e4m3 pool's)."""
+    (``fp8``: an e4m3 pool's; ``overlap``: the 16-bit loop that issues a block's score behind the
+    P.V before it)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from lean_tp.ops.mla_gluon.kernel import GL_DTYPES, mla_decode_gluon_kernel, smem_layout
+    from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel
+    from lean_tp.ops.mla_gluon.tiles import GL_DTYPES, smem_layout
 
     def desc(shape: list[int], dtype: torch.dtype = torch.bfloat16) -> str:
         return f"tensordesc<{GL_DTYPES[dtype]}[{shape[0]},{shape[1]}],{smem_layout(shape, dtype)!r}>"
@@ -260,9 +272,10 @@ def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False):
         "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV], kv),
         "kr_desc": desc([BLOCK_N, DR], kv), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
         "HU": "constexpr", "LANES": "constexpr", "TQ": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-        "FP8": "constexpr",
+        "FP8": "constexpr", "OVERLAP": "constexpr",
     }  # fmt: skip
     constexprs = {"HU": head_units, "LANES": head_units, "TQ": tq, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "FP8": fp8}
+    constexprs["OVERLAP"] = overlap
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 13)}
     source = GluonASTSource(mla_decode_gluon_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

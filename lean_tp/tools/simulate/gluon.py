@@ -41,7 +41,7 @@ from lean_tp.tools.simulate.schedules import (
 # B=128 (docs/results/2026-11-27-nvidia-h200-5.json): 32 x 512 x 2 and 128 x 512 x 2 iterations
 # over 132 SMs, 2.69 and 2.74 us each. The H100 shares the H200's SM and clocks (gpus.LOOP_US).
 GLUON_LOOP_US = {"sm90": 2.7}
-# An e4m3 pool's iteration adds its block's conversion to bf16 (``mla_gluon.kernel._convert_block``:
+# An e4m3 pool's iteration adds its block's conversion to bf16 (``mla_gluon.tiles.convert_block``:
 # all 8 warps, in series with the products): 288 integer and 72 bf16x2 instructions a thread
 # (compiled for sm_90, triton 3.7.1), charged at their rates (``gpus.issue_us``).
 # Modelled, unmeasured; it applies where an e4m3 entry routes here (none does: gluon_takes).
