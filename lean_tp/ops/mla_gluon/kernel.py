@@ -15,7 +15,8 @@ one's fp32 partial goes to the program's workspace slot for ``combine.mla_combin
 
 A block's products run in series with its softmax (``_blocks_serial``, the loop the H200
 measured), or, with ``OVERLAP`` (a 16-bit pool), each block's score is issued right behind the
-P.V of the block before it and the row sums are added up once a segment (``_blocks_overlapped``).
+P.V of the block before it, the row sums are added up once a segment and q's rope columns are
+held in registers (``_blocks_overlapped``).
 
 An e4m3 pool (``FP8``) is copied in bytes, half a 16-bit block's, into the same two buffers; all
 8 warps convert each block into one bf16 copy (exact: every e4m3 value is a bf16 one), which both
@@ -226,13 +227,16 @@ def _blocks_overlapped(
 ):  # fmt: skip
     """``_segment``'s blocks from a 16-bit pool, each block's score issued right behind the P.V of
     the block before it: the tensor cores take the two products back to back, and the buffer that
-    P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``). Every
-    block but the segment's last is whole: no mask."""
+    P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``), and q's
+    rope columns are read into registers once a segment (the score's A operand: 16 registers a
+    thread, 256 of the 4784 bytes of shared memory it would read a key). Every block but the
+    segment's last is whole: no mask."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     first = done % STAGES
     _wait_block(kn_bars, kr_bars, done, STAGES)
     s_layout: gl.constexpr = m_i.type.layout.parent
-    s_tok = _score(qn_smem, qr_smem, kn_smem.index(first), kr_smem.index(first), s_layout)
+    q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    s_tok = _score(qn_smem, q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
@@ -244,7 +248,7 @@ def _blocks_overlapped(
         acc = _rescale(acc, alpha)
         o_tok = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
         _wait_block(kn_bars, kr_bars, done + j + 1, STAGES)
-        s_tok = _score(qn_smem, qr_smem, kn_smem.index(nslot), kr_smem.index(nslot), s_layout)
+        s_tok = _score(qn_smem, q_rope, kn_smem.index(nslot), kr_smem.index(nslot), s_layout)
         # P.V was committed before the score's two products: with those two outstanding it is done.
         acc = warpgroup_mma_wait(num_outstanding=2, deps=(o_tok,))
         cta_barrier()  # both groups are done with this block and with P
@@ -332,13 +336,14 @@ def _copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, row,
 
 
 @gluon.jit
-def _score(qn_smem, qr_smem, kn, kr, s_layout: gl.constexpr):
-    """S = q K^T of one block (q from shared memory, the K tile viewed [D, BLOCK_N]), issued: the
-    token of its two products (latent and rope columns)."""
+def _score(qn_smem, q_rope, kn, kr, s_layout: gl.constexpr):
+    """S = q K^T of one block (q's latent columns from shared memory, its rope columns ``q_rope``
+    from shared memory or registers; the K tile viewed [D, BLOCK_N]), issued: the token of its two
+    products (latent and rope columns)."""
     N: gl.constexpr = kn.shape[0]
     s_zero = gl.zeros([64, N], gl.float32, s_layout)
     s_tok = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(qr_smem, kr.permute((1, 0)), s_tok, is_async=True)
+    return warpgroup_mma(q_rope, kr.permute((1, 0)), s_tok, is_async=True)
 
 
 @gluon.jit

@@ -17,11 +17,12 @@ from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 # and rope columns of a cache row; keys a tile (a page), K/V buffers.
 ROWS, DV, DR = 64, 512, 64
 BLOCK_N, STAGES = 64, 2
-# A 16-bit pool's loop with each block's score issued behind the P.V before it and the row sums
-# added once a segment (``kernel._blocks_overlapped``): 5 CTA barriers a 64-key iteration against
-# 9, the tensor cores given P.V and the next score back to back, 536 SASS against 495, no local
-# memory (compiled for sm_90). Not yet run on a GPU, so calls keep the loop the H200 measured until
-# benchmarks/mla_decode_gluon.py's lines show it exact and faster.
+# A 16-bit pool's loop with each block's score issued behind the P.V before it, the row sums added
+# once a segment and q's rope columns held in registers (``kernel._blocks_overlapped``): 5 CTA
+# barriers a 64-key iteration against 9, the tensor cores given P.V and the next score back to
+# back, 524 SASS against 495, 4528 bytes of shared-memory reads a key against 4832, no local memory
+# in the loop (compiled for sm_90). Not yet run on a GPU, so calls keep the loop the H200 measured
+# until benchmarks/mla_decode_gluon.py's lines show it exact and faster.
 OVERLAP = False
 # The merge's form, (columns a program folds, partials it loads a step, warps), by whether an
 # output has many contributors when lengths are even (programs / outputs: shapes only, no sync).
