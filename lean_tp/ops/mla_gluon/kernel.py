@@ -236,6 +236,7 @@ def _blocks_overlapped(
     _wait_block(kn_bars, kr_bars, done, STAGES)
     s_layout: gl.constexpr = m_i.type.layout.parent
     q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    fence_async_shared()  # this read before the next segment's TMA copy of q into the buffer
     s_tok = _score(qn_smem, q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks - 1):
