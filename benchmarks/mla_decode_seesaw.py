@@ -27,7 +27,7 @@ reloaded just before the HGMMAs (their operand descriptors, hoisted out of the l
 pair's odd block behind a branch inside the loop the worker spills 110, so the pairs with both
 blocks run in the loop and a last even block after it; a third, one-warp partition issuing the
 copies would leave the groups 240 registers, at 250 spills. Not yet run on a GPU. ``--json``: the compiled statistics;
-on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel on one
+on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel (its serial and overlapped loops) on one
 head unit an SM.
 """
 
@@ -384,7 +384,7 @@ def compiled_stats() -> dict:
 
 def run_on_gpu(n_keys: int) -> list[str]:
     """Exactness against float64 (ragged lengths in one launch, NaN in the pool's rows no sequence
-    holds, out and lse NaN before it) and the time beside the Gluon kernel on one head unit an SM."""
+    holds, out and lse NaN before it) and the time beside the Gluon kernel (both its loops) on one head unit an SM."""
     import mla_decode_gluon as gluon_bench
     from bench_decode import Timer
 
@@ -404,13 +404,21 @@ def run_on_gpu(n_keys: int) -> list[str]:
     problem = gluon_bench.paged_problem([n_keys] * (sms // 2), heads=128)
     step = mla_gluon_schedule(problem[2], problem[3], 128)  # once a step, as the decode loop computes it
     timer = Timer(torch.device("cuda"), 20)
-    seesaw_us, gluon_us = (
-        t * 1e6 for t in timer([lambda: mla_decode_seesaw(*problem), lambda: mla_decode_gluon(*problem, schedule=step)])
+    seesaw_us, gluon_us, overlapped_us = (
+        t * 1e6
+        for t in timer(
+            [
+                lambda: mla_decode_seesaw(*problem),
+                lambda: mla_decode_gluon(*problem, schedule=step, overlap=False),
+                lambda: mla_decode_gluon(*problem, schedule=step, overlap=True),
+            ]
+        )
     )
     iterations = -(-n_keys // 64)
     lines.append(
         f"{sms // 2} sequences x 128 heads x {n_keys} keys: seesaw {seesaw_us:.1f} us ({seesaw_us / iterations:.2f} us "
-        f"a 64-key iteration of an SM), the Gluon kernel {gluon_us:.1f} us ({gluon_us / iterations:.2f})"
+        f"a 64-key iteration of an SM), the Gluon kernel {gluon_us:.1f} us ({gluon_us / iterations:.2f}), its "
+        f"overlapped loop {overlapped_us:.1f} us ({overlapped_us / iterations:.2f})"
     )
     return lines
 
