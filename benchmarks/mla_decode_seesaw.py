@@ -26,9 +26,9 @@ partition's: either group has 2 as the default partition and 64-68 as the worker
 reloaded just before the HGMMAs (their operand descriptors, hoisted out of the loop). With a
 pair's odd block behind a branch inside the loop the worker spills 110, so the pairs with both
 blocks run in the loop and a last even block after it; a third, one-warp partition issuing the
-copies would leave the groups 240 registers, at 250 spills. Not yet run on a GPU. ``--json``: the compiled statistics;
-on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the Gluon kernel (its serial and overlapped loops) on one
-head unit an SM.
+copies would leave the groups 240 registers, at 250 spills. Not yet run on a GPU. ``--json``: the
+compiled statistics; on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the
+Gluon kernel (its serial and overlapped loops) on one head unit an SM.
 """
 
 from __future__ import annotations
@@ -384,7 +384,8 @@ def compiled_stats() -> dict:
 
 def run_on_gpu(n_keys: int) -> list[str]:
     """Exactness against float64 (ragged lengths in one launch, NaN in the pool's rows no sequence
-    holds, out and lse NaN before it) and the time beside the Gluon kernel (both its loops) on one head unit an SM."""
+    holds, out and lse NaN before it) and the time beside the Gluon kernel (both its loops) on one
+    head unit an SM."""
     import mla_decode_gluon as gluon_bench
     from bench_decode import Timer
 
