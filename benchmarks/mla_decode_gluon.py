@@ -9,9 +9,9 @@ SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lea
 shared memory, 1018 SASS an iteration, 360 of them the conversion (``tiles.e4m3_to_bf16``: 72
 PRMT, 144 LOP3, 72 SHF and 72 bf16x2 multiplies a thread), and 19 local loads and stores (mostly
 loop-invariant words reloaded from L1). The overlapped 16-bit loop (``launcher.OVERLAP``: each
-block's score issued behind the P.V before it, the row sums added once a segment, q's rope columns
-in registers): 524 SASS and 5 CTA barriers an iteration against 495 and 9, 4528 bytes of
-shared-memory reads a key, no local memory in the loop.
+block's score issued behind the P.V before it, the row sums added once a segment, the row max
+exchanged with one barrier, q's rope columns in registers): 521 SASS and 4 CTA barriers an
+iteration against 495 and 9, 4544 bytes of shared-memory reads a key, no local memory.
 
 Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact
 against float64, 1328 us for 66 sequences of 128 heads and 32k keys against the Triton kernel's

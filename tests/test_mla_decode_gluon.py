@@ -69,14 +69,14 @@ def test_the_gluon_mla_kernel_compiles_for_sm90_within_its_budget():
 
 def test_the_overlapped_loop_compiles_for_sm90_with_fewer_barriers():
     """The 16-bit loop that issues each block's score behind the P.V before it
-    (``launcher.OVERLAP``): the P.V's wait leaves the score's two products in flight, the row sums
-    added once a segment take 4 of the serial loop's 9 CTA barriers away, q's rope columns in
-    registers take 256 bytes a key off the serial loop's 4832 of shared-memory reads, and the loop
-    keeps the serial one's budget: no local memory in it (one word saved and reloaded a segment
-    outside it), both HGMMA shapes, fewer SASS than lean's 64-row loop takes for 32 keys (670)."""
+    (``launcher.OVERLAP``): the P.V's wait leaves the score's two products in flight; the row sums
+    added once a segment (3 barriers) and the row max exchanged by hand (1) take 5 of the serial
+    loop's 9 CTA barriers away; q's rope columns in registers take 256 bytes a key off the serial
+    loop's 4832 of shared-memory reads; and the loop keeps the serial one's budget: no local
+    memory, both HGMMA shapes, fewer SASS than lean's 64-row loop takes for 32 keys (670)."""
     stats = _compiled_stats(SCRIPT, "--overlap")
-    assert stats["mma_waits"] == [0, 2] and stats["loop_barriers"] <= 5, stats
-    assert stats["loop_local"] == 0 and stats["local_anywhere"] <= 3 and stats["registers"] <= 255, stats
+    assert stats["mma_waits"] == [0, 2] and stats["loop_barriers"] <= 4, stats
+    assert stats["loop_local"] == 0 and stats["local_anywhere"] <= 2 and stats["registers"] <= 255, stats
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
     assert 0 < stats["smem_read_per_key"] <= 4832 - 256, stats
     assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x32x16.F32.BF16"], stats

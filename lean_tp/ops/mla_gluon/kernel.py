@@ -15,8 +15,8 @@ one's fp32 partial goes to the program's workspace slot for ``combine.mla_combin
 
 A block's products run in series with its softmax (``_blocks_serial``, the loop the H200
 measured), or, with ``OVERLAP`` (a 16-bit pool), each block's score is issued right behind the
-P.V of the block before it, the row sums are added up once a segment and q's rope columns are
-held in registers (``_blocks_overlapped``).
+P.V of the block before it, the row sums are added up once a segment, the row max is exchanged
+with one barrier and q's rope columns are held in registers (``_blocks_overlapped``).
 
 An e4m3 pool (``FP8``) is copied in bytes, half a 16-bit block's, into the same two buffers; all
 8 warps convert each block into one bf16 copy (exact: every e4m3 value is a bf16 one), which both
@@ -227,14 +227,16 @@ def _blocks_overlapped(
 ):  # fmt: skip
     """``_segment``'s blocks from a 16-bit pool, each block's score issued right behind the P.V of
     the block before it: the tensor cores take the two products back to back, and the buffer that
-    P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``), and q's
-    rope columns are read into registers once a segment (the score's A operand: 16 registers a
+    P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``), the row
+    max is exchanged between the groups with one barrier (``_row_max``), and q's rope columns are
+    read into registers once a segment (the score's A operand: 16 registers a
     thread, 256 of the 4784 bytes of shared memory it would read a key). Every block but the
     segment's last is whole: no mask."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     first = done % STAGES
     _wait_block(kn_bars, kr_bars, done, STAGES)
     s_layout: gl.constexpr = m_i.type.layout.parent
+    mx_smem = gl.allocate_shared_memory(gl.float32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     fence_async_shared()  # this read before the next segment's TMA copy of q into the buffer
     s_tok = _score(qn_smem, q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
@@ -245,7 +247,7 @@ def _blocks_overlapped(
         nxt = j + STAGES
         # The page of block j + STAGES, loaded into this block's buffer once its P.V is done.
         nxt_row = gl.load(pages + nxt, mask=nxt < n_blocks, other=0) * BLOCK_N
-        m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, BLOCK_N, scale_log2, False)
+        m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, BLOCK_N, scale_log2, False, mx_smem)
         acc = _rescale(acc, alpha)
         o_tok = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
         _wait_block(kn_bars, kr_bars, done + j + 1, STAGES)
@@ -259,7 +261,7 @@ def _blocks_overlapped(
     last = (done + n_blocks - 1) % STAGES
     if last_valid < BLOCK_N:
         zero_rows_from(kn_smem.index(last), last_valid)
-    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, last_valid, scale_log2, True)
+    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, last_valid, scale_log2, True, mx_smem)
     acc = _rescale(acc, alpha)
     o_tok = warpgroup_mma(p_smem, kn_smem.index(last), acc, is_async=True)
     return m_i, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
@@ -312,6 +314,33 @@ def _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, valid, scale_log2
     return m_i, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
 
 
+# A [64, 2] fp32 tensor of the two warp groups' row maxima with both of a row's in each thread
+# that holds the row in the score's layout (warps [4, 2], instr_shape [16, 32, 16]: rows 1, 2, 4
+# by lanes 2-4, 8 by register, 16 and 32 by warps 0-1; the group by warp 2).
+_ROW_PAIR = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]],
+        block_bases=[],
+        shape=[64, 2],
+    )
+)
+
+
+@gluon.jit
+def _row_max(scores, mx_smem):
+    """The row max of a [64, 64] block of scores split by keys over the two warp groups: each
+    group's over its own 32 keys within its warps, exchanged through ``mx_smem`` ([64, 2] fp32)
+    with one CTA barrier, where the reduction across warps Gluon compiles takes two. The caller
+    writes ``mx_smem`` again only past a barrier of its own (``_softmax``'s, after P)."""
+    part = gl.max(gl.reshape(scores, [64, 2, 32]), axis=2)
+    mx_smem.store(part)
+    cta_barrier()
+    both = mx_smem.load(_ROW_PAIR)
+    return gl.convert_layout(gl.max(both, axis=1), gl.SliceLayout(1, scores.type.layout))
+
+
 @gluon.jit
 def _rescale(acc, alpha):
     """The output's rows ([64, 256] a warp group) times their rescale (``_softmax``'s alpha)."""
@@ -348,7 +377,7 @@ def _score(qn_smem, q_rope, kn, kr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK: gl.constexpr):
+def _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK: gl.constexpr, mx_smem=None):
     """A block's scores into the running row max ``m_i`` (log2 units) and row sums ``l_i``, and P
     (bf16) into ``p_smem`` for both groups' P.V; ``MASK``: keys from ``valid`` on at -inf. Row sums
     of shape [64] are added up each block, a sum across the two warp groups (three CTA barriers
@@ -359,7 +388,10 @@ def _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK: gl.constexpr):
     if MASK:
         cols = gl.arange(0, scores.shape[1], layout=gl.SliceLayout(0, s_layout))
         scores = gl.where(gl.expand_dims(cols < valid, 0), scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    if mx_smem is None:
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    else:
+        m_new = gl.maximum(m_i, _row_max(scores, mx_smem))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(scores - gl.expand_dims(m_new, 1))
     if len(l_i.shape) == 2:
