@@ -108,13 +108,14 @@ def test_a_calls_kernel_breakdown_reads_longest_first():
 
 def test_the_gluon_mla_kernel_for_an_e4m3_pool_compiles_for_sm90():
     """With an e4m3 pool (``FP8``) each block is copied in bytes, converted to bf16 in shared memory
-    by all 8 warps and multiplied as the 16-bit kernel multiplies it: the same shared memory (the
-    two fp8 buffers and the bf16 copy take what two bf16 buffers took), the same HGMMA shapes,
-    and a conversion with no conversion-unit instruction (``e4m3_to_bf16``: one bf16x2 multiply
-    for two of a block's 64 x 576 values, over 256 threads). The loop reloads words from local
-    memory, mostly loop-invariant ones: the bound below holds it at the 19 of triton 3.7.1."""
+    by all 8 warps and multiplied as the 16-bit kernel multiplies it: within a block's shared memory
+    (the two fp8 buffers and the bf16 copy take what two bf16 buffers took), the same HGMMA
+    shapes, and a conversion with no conversion-unit instruction (``e4m3_to_bf16``: one bf16x2
+    multiply for two of a block's 64 x 576 values, over 256 threads). The loop reloads words from
+    local memory, mostly loop-invariant ones: the bound below holds it at the 18 of triton 3.7.1
+    (3.6, CI's oldest stack: 7)."""
     stats = _compiled_stats(SCRIPT, "--fp8")
-    assert stats["registers"] <= 255 and stats["loop_local"] <= 19, stats
+    assert stats["registers"] <= 255 and stats["loop_local"] <= 18, stats
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
     assert stats["hgmma"] == ["HGMMA.64x256x16.F32.BF16", "HGMMA.64x32x16.F32.BF16"], stats
     assert stats["conversions"] == 0 and stats["bf16x2_multiplies"] == 64 * 576 // 256 // 2, stats

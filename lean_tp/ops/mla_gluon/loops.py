@@ -72,8 +72,13 @@ def blocks_serial(
     """``_segment``'s blocks, each block's score after the P.V before it. A 16-bit block's buffer is
     reloaded once both groups are done with its P.V; an e4m3 block is converted into ``cvt`` (bf16
     latent and rope parts), which both products read, and its buffer reloaded as soon as it is
-    converted. Every block but the segment's last is whole: no mask."""
+    converted, and its row max exchanged between the groups with one barrier (``_row_max``; the
+    16-bit loop keeps the reduction the H200 measured). Every block but the segment's last is
+    whole: no mask."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
+    mx_smem = None
+    if FP8:
+        mx_smem = gl.allocate_shared_memory(gl.float32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
         nxt = j + STAGES
@@ -84,7 +89,7 @@ def blocks_serial(
             convert_block(kv[0], kv[1], cvt[0], cvt[1], BLOCK_N, False)
             copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
             kv = cvt
-        m_i, l_i, acc = _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False)
+        m_i, l_i, acc = _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False, mx_smem)
         cta_barrier()  # both groups are done with the block (or its copy) and with P
         if not FP8:
             copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
@@ -96,16 +101,17 @@ def blocks_serial(
         kv = cvt
     elif last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
         zero_rows_from(kv[0], last_valid)
-    return _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, last_valid, scale_log2, True)
+    return _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, last_valid, scale_log2, True, mx_smem)
 
 
 @gluon.jit
-def _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, valid, scale_log2, MASK: gl.constexpr):
+def _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, valid, scale_log2, MASK: gl.constexpr, mx_smem=None):
     """One block (``kv``: its latent and rope parts in shared memory) into the running (m_i, l_i,
     acc), its score and P.V in series."""
-    s_tok = _score(qn_smem, qr_smem, kv[0], kv[1], m_i.type.layout.parent)
+    s_layout: gl.constexpr = m_i.type.layout.parent  # a layout passes as a constexpr (triton 3.6)
+    s_tok = _score(qn_smem, qr_smem, kv[0], kv[1], s_layout)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK)
+    m_i, l_i, alpha = _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK, mx_smem)
     acc = _rescale(acc, alpha)
     o_tok = warpgroup_mma(p_smem, kv[0], acc, is_async=True)
     return m_i, l_i, warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
