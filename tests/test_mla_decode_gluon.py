@@ -307,6 +307,7 @@ def test_lean_is_timed_on_the_gluon_kernels_problem(fp8):
     [
         (dict(), ValueError, "q: expected a tensor on an sm_90"),
         (dict(q=torch.zeros(2, 128, 576)), TypeError, "q, pool: expected bfloat16"),
+        (dict(overlap=1), TypeError, "overlap: expected a bool, got int"),
         (dict(q=torch.zeros(2, 96, 576, dtype=torch.bfloat16)), ValueError, "q: expected a contiguous"),
         (dict(pool=torch.zeros(4, 32, 576, dtype=torch.bfloat16)), ValueError, "pool: expected"),
         (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, "cache_seqlens: expected int32"),

@@ -67,9 +67,12 @@ def check_gluon_inputs(
     block_table: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    overlap: bool = False,
 ):
     """``ValueError``/``TypeError`` naming the argument for anything the kernel does not take (the
     device last)."""
+    if not isinstance(overlap, bool):  # a constexpr of the kernel: any other value compiles anew
+        raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
     if q.dtype != torch.bfloat16 or pool.dtype not in POOL_DTYPES:
         raise TypeError(f"q, pool: expected bfloat16 and one of {POOL_DTYPES}, got {q.dtype} and {pool.dtype}")
     fp8 = pool.dtype == torch.float8_e4m3fn
@@ -212,7 +215,7 @@ def mla_decode_gluon(
     from lean_tp.ops.mla_gluon.kernel import mla_decode_gluon_kernel
     from lean_tp.ops.mla_gluon.tiles import smem_layout
 
-    check_gluon_inputs(q, pool, cache_seqlens, block_table, k_scale, v_scale)
+    check_gluon_inputs(q, pool, cache_seqlens, block_table, k_scale, v_scale, overlap)
     fp8 = pool.dtype == torch.float8_e4m3fn
     batch, heads, tq = q.shape[0], q.shape[-2], (q.shape[1] if q.dim() == 4 else 1)
     head_units = tq * heads // ROWS
