@@ -86,19 +86,24 @@ def _lean_with(overrides: dict):
     return prepare
 
 
-def _lean_gluon(s: Inputs):
+def _lean_gluon(overlap: bool):
     """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, where sm_90's entry routes 128
-    rows and more): 16-bit latent pages of 64 rows, heads in blocks of 64 (its checks name what it
-    does not take). Its schedule is computed once a step, untimed, as FlashMLA's metadata is."""
-    from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule
-    from lean_tp.ops.mla_gluon.launcher import ROWS
+    rows and more), with its serial loop or (``overlap``) its overlapped one: 16-bit latent pages of
+    64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule is
+    computed once a step, untimed, as FlashMLA's metadata is."""
 
-    q, lens, table = s["q"], s["cache_seqlens"], s["block_table"]
-    if q.shape[-2] % ROWS:
-        raise NotImplementedError(f"takes heads in blocks of {ROWS}, got {q.shape[-2]}")
-    pool = s["k_cache"][:, :, 0]  # (pages, 64, 576): the one latent head
-    schedule = mla_gluon_schedule(lens, table, q.shape[-2], q.shape[1] if q.dim() == 4 else 1)
-    return lambda: mla_decode_gluon(q, pool, lens, table, schedule=schedule)[0]
+    def prepare(s: Inputs):
+        from lean_tp.ops.mla_gluon import mla_decode_gluon, mla_gluon_schedule
+        from lean_tp.ops.mla_gluon.launcher import ROWS
+
+        q, lens, table = s["q"], s["cache_seqlens"], s["block_table"]
+        if q.shape[-2] % ROWS:
+            raise NotImplementedError(f"takes heads in blocks of {ROWS}, got {q.shape[-2]}")
+        pool = s["k_cache"][:, :, 0]  # (pages, 64, 576): the one latent head
+        schedule = mla_gluon_schedule(lens, table, q.shape[-2], q.shape[1] if q.dim() == 4 else 1)
+        return lambda: mla_decode_gluon(q, pool, lens, table, schedule=schedule, overlap=overlap)[0]
+
+    return prepare
 
 
 def _flash_decoding(s: Inputs):
@@ -290,7 +295,10 @@ PEERS: dict[str, Peer] = {
             Peer(name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla")
             for name, overrides in MLA_ABLATIONS.items()
         ),
-        Peer("lean-gluon", _lean_gluon, cuda_only=True, features=frozenset({"paged", "mla"}), only="mla"),
+        *(
+            Peer(name, _lean_gluon(overlap), cuda_only=True, features=frozenset({"paged", "mla"}), only="mla")
+            for name, overlap in (("lean-gluon", False), ("lean-gluon-overlap", True))
+        ),
         Peer("flash-decoding", _flash_decoding, triton=True),
         Peer("sdpa", _sdpa),
         Peer("flex", _flex),
