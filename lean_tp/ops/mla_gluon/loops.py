@@ -26,14 +26,13 @@ def blocks_overlapped(
     the block before it: the tensor cores take the two products back to back, and the buffer that
     P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``), the row
     max is exchanged between the groups with one barrier (``_row_max``), and q's rope columns are
-    read into registers once a segment (the score's A operand: 16 registers a
-    thread, 256 of the 4784 bytes of shared memory it would read a key). Every block but the
-    segment's last is whole: no mask."""
+    read into registers once a segment (the score's A operand: 16 registers a thread, 256 bytes of
+    shared-memory reads a key less). Every block but the segment's last is whole: no mask."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     first = done % STAGES
     _wait_block(kn_bars, kr_bars, done, STAGES)
     s_layout: gl.constexpr = m_i.type.layout.parent
-    mx_smem = gl.allocate_shared_memory(gl.float32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    mx_smem = _row_max_buffer()
     q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     fence_async_shared()  # this read before the next segment's TMA copy of q into the buffer
     s_tok = _score(qn_smem, q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
@@ -78,7 +77,7 @@ def blocks_serial(
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     mx_smem = None
     if FP8:
-        mx_smem = gl.allocate_shared_memory(gl.float32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        mx_smem = _row_max_buffer()
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
         nxt = j + STAGES
@@ -132,6 +131,12 @@ _ROW_PAIR = gl.constexpr(
 
 
 @gluon.jit
+def _row_max_buffer():
+    """``_row_max``'s exchange: [64, 2] fp32 in shared memory, a row's maximum of each warp group."""
+    return gl.allocate_shared_memory(gl.float32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
 def _row_max(scores, mx_smem):
     """The row max of a [64, 64] block of scores split by keys over the two warp groups: each
     group's over its own 32 keys within its warps, exchanged through ``mx_smem`` ([64, 2] fp32)
@@ -182,7 +187,8 @@ def _score(qn_smem, q_rope, kn, kr, s_layout: gl.constexpr):
 @gluon.jit
 def _softmax(scores, m_i, l_i, p_smem, valid, scale_log2, MASK: gl.constexpr, mx_smem=None):
     """A block's scores into the running row max ``m_i`` (log2 units) and row sums ``l_i``, and P
-    (bf16) into ``p_smem`` for both groups' P.V; ``MASK``: keys from ``valid`` on at -inf. Row sums
+    (bf16) into ``p_smem`` for both groups' P.V; ``MASK``: keys from ``valid`` on at -inf. The row
+    max is exchanged by hand through ``mx_smem`` (``_row_max``) where one is given. Row sums
     of shape [64] are added up each block, a sum across the two warp groups (three CTA barriers
     compiled); of shape [64, BLOCK_N] they stay per key, each group's own, rescaled with the rows,
     and ``_store`` adds them up once. Returns (m, l, the rows' rescale)."""
