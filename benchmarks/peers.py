@@ -64,12 +64,15 @@ def _lean(s: Inputs):
 # entries' 128 give one long sequence at TP 8 every SM's loop, for a merge chain of 8 + 16
 # partials: the H200 measured 48.6 against 54.2 us at B=1 32k, tuning.py, _MLA_CONTRIBUTORS);
 # 64-row blocks at 128 heads (two row blocks of whole V rows, scores K q^T by mma.sync) are what
-# the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS).
+# the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS); a merge's column
+# slices merged by its last arrivers alone, with no contributor waiting to share them (one read
+# of the counter), are what the shared slices replaced (merge.finish_split).
 MLA_ABLATIONS = {
-    "lean-rows16": dict(max_block_g=16, scores_t_rows=None, merge_slice_elems=None),
+    "lean-rows16": dict(max_block_g=16, scores_t_rows=None),
     "lean-keys32": dict(narrow_block_n=None),
     "lean-contributors64": dict(one_sequence_max_contributors=None),
     "lean-rows64": dict(max_block_g=64, split_v_rows=None),
+    "lean-merge-alone": dict(merge_polls=1),
 }
 
 

@@ -160,7 +160,7 @@ def test_launcher_rejects_a_grid_that_does_not_fit_its_sms_or_counters():
     inputs = make_inputs([5], 4, 1, 64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="num_sms: expected a divisor of num_programs=6, got 4"):
         decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, num_sms=4)
-    with pytest.raises(ValueError, match="counters: expected at least 24 elements, got 8"):
+    with pytest.raises(ValueError, match=f"counters: expected at least {counters_size(6)} elements, got 8"):
         decode_attention_fwd(**inputs, softmax_scale=0.1, num_programs=6, counters=torch.zeros(8, dtype=torch.int32))
     plan = plan_decode(**inputs, num_programs=4)
     with pytest.raises(ValueError, match="config, num_programs, num_sms: expected None with a plan"):

@@ -150,13 +150,10 @@ def test_one_mla_sequence_of_one_token_is_split_over_its_entrys_cap(arch, elem, 
     assert cap() == cap(num_tokens=2) == cap(batch_invariant=True) == tuning.MAX_CONTRIBUTORS
 
 
-@pytest.mark.parametrize(
-    "field", ["scores_t_rows", "merge_slice_elems", "invariant_max_block_g", "narrow_block_n", "gluon_rows"]
-)
+@pytest.mark.parametrize("field", ["scores_t_rows", "invariant_max_block_g", "narrow_block_n", "gluon_rows"])
 def test_row_block_fields_are_refused_unless_powers_of_two(field):
-    """The 64-row MLA fields (a row count, a slice's fp32 elements, a row cap, the Gluon route's
-    rows) are powers of two of at least 16, or None; anything else is refused when the entry is
-    made, naming the field."""
+    """The 64-row MLA fields (a row count, a row cap, the Gluon route's rows) are powers of two of
+    at least 16, or None; anything else is refused when the entry is made, naming the field."""
     entry = TUNING_TABLE[("sm90", 576, 2)]
     assert getattr(entry, field) is not None
     with pytest.raises(ValueError, match=rf"DecodeConfig.{field}: expected a power of two >= 16, got 48"):

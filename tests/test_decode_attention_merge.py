@@ -8,6 +8,7 @@ fails the comparison.
 """
 
 import dataclasses
+import importlib
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
+from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.tuning import MERGE_FANIN, DecodeConfig
 from lean_tp.ops.utils import interpreted
 
@@ -44,8 +46,15 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 WHOLE_GRID = 126 * TILE  # 126 tiles: the cost rule gives 2 tiles to each of 63 programs
 
 
-def run(inputs: dict, num_programs: int, batch_invariant: bool = False, config: DecodeConfig = CONFIG):
-    """(out, lse, counters) of one launch with NaN-filled out, lse and workspace."""
+def run(
+    inputs: dict,
+    num_programs: int,
+    batch_invariant: bool = False,
+    config: DecodeConfig = CONFIG,
+    counters: torch.Tensor | None = None,
+):
+    """(out, lse, counters) of one launch with NaN-filled out, lse and workspace (and zeroed
+    counters unless given)."""
     q = inputs["q"]
     scales = {
         k: torch.tensor([v]) if isinstance(v, float) else v
@@ -55,7 +64,8 @@ def run(inputs: dict, num_programs: int, batch_invariant: bool = False, config: 
     call = {**inputs, **scales, "softmax_scale": q.shape[-1] ** -0.5}
     plan = plan_decode(**call, num_programs=num_programs, config=config, batch_invariant=batch_invariant)
     workspace = tuple(t.fill_(float("nan")) for t in plan_workspace(plan, "cpu"))
-    counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
+    if counters is None:
+        counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
     out, lse = decode_attention_fwd(
         **call,
         plan=plan,
@@ -167,15 +177,18 @@ def test_result_does_not_depend_on_arrival_order(arrival_order, batch_invariant)
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
-def test_merge_in_column_slices(arrival_order):
-    """Partials wider than the merge wave are merged in column slices (``DecodeConfig.
-    merge_slice_elems``; 64-row MLA blocks): here 4 slices of 16 columns, over the two-level tree of
-    a whole grid, with sinks (each slice normalized alike, the lse stored once) and two query tokens,
-    exact and bitwise the same whatever order the programs arrive in."""
-    config = dataclasses.replace(CONFIG, merge_wave_elems=512, merge_slice_elems=256)
+def test_merge_in_column_slices(arrival_order, monkeypatch):
+    """Partials wider than the merge wave are merged in column slices (``plan.merge_cols``; MLA's
+    16 x 512 partials): here 4 slices of 16 columns, over the two-level tree of a whole grid, with
+    sinks (each slice normalized alike, the lse stored once) and two query tokens, exact and bitwise
+    the same whatever order the programs arrive in. Idle contributors read their merge's counter 4
+    times before they leave it (a GPU's wait, cut short: in the interpreter no read can succeed)."""
+    monkeypatch.setattr(importlib.import_module("lean_tp.ops.decode_attention.plan"), "INTERPRETER_MERGE_POLLS", 4)
+    config = dataclasses.replace(CONFIG, merge_wave_elems=512)
     inputs = make_feature_inputs([WHOLE_GRID - 9, 33], 8, 1, 64, torch.float32, "paged16", tq=2, sinks=True, seed=8)
     plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=64, config=config)
     assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["BLOCK_D"] == 64
+    assert plan.kernel.constexprs["MERGE_POLLS"] == 4
     out, lse, counters = run(inputs, 64, config=config)
     assert_matches_feature_ref(out, lse, inputs, ATOL[torch.float32])
     assert (counters == 0).all()
@@ -183,3 +196,35 @@ def test_merge_in_column_slices(arrival_order):
     arrival_order[:] = list(range(64))[::-1]
     again, again_lse, _ = run(inputs, 64, config=config)
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.parametrize(
+    "num_programs,region,first,claimed,unwritten",
+    [(8, 2, 0, 2, 32), (64, 4, 0, 1, 16), (64, 2, 24, 1, 64)],
+    ids=["one-group", "second-level", "group-unfinished"],
+)
+def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region, first, claimed, unwritten):
+    """A merge's column slices are claimed at a counter, so that on a GPU a contributor with no
+    tiles left takes slices beside the last arriver. Claims made before the launch stand for such
+    a contributor: the last arriver merges every other slice and leaves the claimed ones (NaN), a
+    second level waits for every slice of every group (a group short of one slice: nothing is
+    stored), and the counters end at zero. Regions (``merge.py``): 2 a group's claims, 4 the
+    second level's, at the slot of the group's first member (``first``, slot 0)."""
+    config = dataclasses.replace(CONFIG, merge_wave_elems=512)
+    lens = [WHOLE_GRID if num_programs == 64 else 16 * TILE - 3]
+    inputs = make_feature_inputs(lens, 8, 1, 64, torch.float32, "paged16", seed=12)
+    plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=num_programs, config=config)
+    assert plan.kernel.constexprs["MERGE_COLS"] == 16  # 4 slices
+    (groups,) = plan_of(inputs, num_programs, config).values()
+    assert len(groups) == (1 if num_programs == 8 else 8) and len(groups[0]) > 1
+    counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
+    counters[region * 2 * num_programs + 2 * first] = claimed
+    out, lse, counters = run(inputs, num_programs, config=config, counters=counters)
+    assert (counters == 0).all()
+    # Slice 0, which stores the lse, is among the claimed ones.
+    assert out[..., :unwritten].isnan().all() and lse.isnan().all()
+    ref_out, _ = decode_attention_ref(**inputs)
+    assert not out[..., unwritten:].isnan().any()
+    torch.testing.assert_close(
+        out[..., unwritten:].double(), ref_out[..., unwritten:], atol=ATOL[torch.float32], rtol=0
+    )

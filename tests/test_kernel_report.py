@@ -99,8 +99,9 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     """No spills in the K/V loop, 16-byte K/V loads, K/V multi-buffered (paged too), and 2+ programs
     per SM for D <= 128. ptxas may spill a few cold values (once per segment or per program) to reach
     the next occupancy step (sm_80 D=128 paged: 12 words, to stay at 168 registers); more than a few
-    words would mean the loop's live state does not fit. MLA's 64-row blocks hold 128 accumulator
-    registers a thread of their 255, and spill up to 64 cold words outside the loop. sm_90's
+    words would mean the loop's live state does not fit. MLA's 64-row blocks, and 128-row blocks in
+    column halves, hold 128 accumulator registers a thread of their 255, and spill up to 64 cold
+    words outside the loop (the merge's counters and slice bookkeeping among them). sm_90's
     128-row MLA blocks in column halves copy each K/V block one iteration ahead (wait_group 0:
     q's 144 KB leave room for 2 buffers only so; H200-measured faster than 64-row blocks)."""
     rows = [
@@ -108,7 +109,7 @@ def test_16bit_kernels_are_fast_by_construction(stats, arch, layout):
     ]
     assert rows
     for s in rows:
-        assert s.loop_spills == 0 and s.spill_bytes <= (256 if s.block_g == 64 else 64), s
+        assert s.loop_spills == 0 and s.spill_bytes <= (256 if s.block_g >= 64 else 64), s
         assert s.sass_per_iter > 0, s
         assert s.k_load_bytes == 16 and s.v_load_bytes == 16, s
         assert s.kv_buffers >= 2 and s.wait_group >= (0 if s.block_g == 128 else 1), s

@@ -124,3 +124,24 @@ def test_mla_cuda_compiled(group, fp8):
         lambda: lean_tp.decode_attention(**inputs, return_lse=True), fullgraph=True, dynamic=False
     )()
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+@pytest.mark.parametrize("lens", [[4096], [131072], [4096] * 8], ids=["B1-4k", "B1-128k", "B8-4k"])
+def test_mla_cuda_shared_merge_slices(lens):
+    """DeepSeek-V3's TP-8 rank (16 heads), its 16 x 512 partials merged in 8 column slices that the
+    contributors with no tiles left claim beside each merge's last arriver (``merge.finish_split``):
+    on a GPU they run at the same time, so here the slices are shared. 20 launches on one counters
+    buffer: exact against float64, bitwise the same each time whoever merged which slice, and the
+    counters back at zero after every launch."""
+    from lean_tp.ops.decode_attention.launch_args import counters_size
+
+    inputs = _inputs(lens, 16, torch.bfloat16, "paged64", seed=len(lens))
+    plan = plan_decode(**inputs)
+    assert plan.kernel.constexprs["BLOCK_D"] // plan.kernel.constexprs["MERGE_COLS"] == 8
+    counters = torch.zeros(counters_size(plan.num_programs), dtype=torch.int32, device="cuda")
+    first = run_kernel(inputs, counters=counters)
+    _check(*first, inputs, ATOL[torch.bfloat16])
+    for _ in range(20):
+        again = run_kernel(inputs, counters=counters)
+        assert (counters == 0).all()
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])

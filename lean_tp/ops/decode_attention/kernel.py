@@ -1,4 +1,4 @@
-"""LeanAttention decode kernel: stream-K over LeanTiles, single launch, last-arriver merge.
+"""LeanAttention decode kernel: stream-K over LeanTiles, single launch, in-kernel merge tree.
 
 One persistent program walks its range of the schedule (schedule.py), computes each segment's
 partial with the K/V loop (attend.py) and merges split outputs (merge.py; invariant.py in the
@@ -113,6 +113,7 @@ def decode_attention_fwd_kernel(
     FANIN: tl.constexpr,
     WAVE: tl.constexpr,
     MERGE_COLS: tl.constexpr,
+    MERGE_POLLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
@@ -382,6 +383,7 @@ def decode_attention_fwd_kernel(
                             WAVE,
                             MERGE_COLS,
                             LANES,
+                            MERGE_POLLS,
                         )
                 if do_store:
                     store_output(

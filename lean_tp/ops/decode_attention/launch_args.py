@@ -14,6 +14,7 @@ import torch
 
 from lean_tp.ops.decode_attention.cache import valid_keys
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
+from lean_tp.ops.decode_attention.merge import COUNTER_REGIONS
 from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, DecodePlan
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, padded_head_dim
 
@@ -147,9 +148,9 @@ def token_lengths(lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def counters_size(num_programs: int) -> int:
-    """Merge counters of a grid: one per workspace slot for the groups and one per slot for the
-    outputs' second level (indexed by a group's or an output's first contributor)."""
-    return 4 * num_programs
+    """Merge counters of a grid: ``merge.COUNTER_REGIONS`` regions of one per workspace slot
+    (indexed by a group's or an output's first contributor's slot)."""
+    return COUNTER_REGIONS * 2 * num_programs
 
 
 def alloc_workspace(

@@ -19,9 +19,11 @@ import torch
 from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.tuning import (
+    INTERPRETER_MERGE_POLLS,
     INVARIANT_GROUP_CHUNKS,
     INVARIANT_SUPER_GROUPS,
     MERGE_FANIN,
+    MERGE_SLICE_WAVE_ELEMS,
     MIN_TILES_PER_PROGRAM,
     SCHEDULE_BLOCK_B,
     DecodeConfig,
@@ -75,14 +77,14 @@ def merge_wave(rows: int, block_d: int, elems: int) -> int:
     return min(MERGE_FANIN, 1 << (fit.bit_length() - 1))
 
 
-def merge_cols(rows: int, block_d: int, wave_elems: int, slice_elems: int | None = None) -> int:
-    """Columns of a merge's slice (``merge.finish_split``): all ``block_d`` when one partial fits
-    ``wave_elems`` (the tuning entry's ``merge_wave_elems``), else as many as ``slice_elems`` fp32
-    elements hold (``merge_slice_elems``, default ``wave_elems``), at least 16."""
-    if rows * block_d <= wave_elems:
+def merge_cols(rows: int, block_d: int, wave_elems: int) -> int:
+    """Columns of a merge's slice (``merge.finish_split``): all ``block_d`` when one wave of
+    ``wave_elems`` fp32 elements (the tuning entry's ``merge_wave_elems``) holds two partials or
+    more; wider partials (MLA's) in MERGE_FANIN slices, one for each member of a group to take,
+    of at least 16 columns (64 bytes of a row)."""
+    if 2 * rows * block_d <= wave_elems:
         return block_d
-    fit = max(16, (slice_elems or wave_elems) // rows)
-    return min(block_d, 1 << (fit.bit_length() - 1))
+    return max(16, block_d // MERGE_FANIN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,7 @@ class KernelVariant:
         block_d = padded_head_dim(head_dim_v) // col_blocks
         tail = self.head_dim - head_dim_v  # K's columns past V's
         paged = self.page_size is not None
+        cols = merge_cols(block_g, block_d, config.merge_wave_elems)
         return {
             "GROUP": self.group,
             "TQ": f.num_tokens,
@@ -154,8 +157,13 @@ class KernelVariant:
             "MIN_TILES": MIN_TILES_PER_PROGRAM,
             "MAX_CONTRIB": config.contributors_for(f.one_sequence),
             "FANIN": MERGE_FANIN,
-            "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems),
-            "MERGE_COLS": merge_cols(block_g, block_d, config.merge_wave_elems, config.merge_slice_elems),
+            # Partials a merge loads at once (their slices, in the default mode; the batch-invariant
+            # mode's folds load them whole).
+            "WAVE": merge_wave(block_g, block_d, config.merge_wave_elems)
+            if f.batch_invariant or cols == block_d
+            else merge_wave(block_g, cols, MERGE_SLICE_WAVE_ELEMS),
+            "MERGE_COLS": cols,
+            "MERGE_POLLS": INTERPRETER_MERGE_POLLS if self.arch == "interp" else config.merge_polls,
             "BLOCK_B": SCHEDULE_BLOCK_B,
             "DOT_PRECISION": "ieee" if self.dtype == torch.float32 else "tf32",
             "HAS_LEFTPAD": f.leftpad,

@@ -38,6 +38,17 @@ MERGE_FANIN = 8
 # on 64 SMs keep 64 x 64 KB in flight, above Little's law's 3.0 TB/s x 0.7 us = 2.1 MB on an H100,
 # so one output still streams at HBM bandwidth, while a third level would add L2 round trips.
 MAX_CONTRIBUTORS = MERGE_FANIN**2
+# Reads of a merge's counter that a contributor with no tiles left makes before it leaves the merge
+# to its last arriver (``merge.finish_split``): each is an L2 atomic round trip, about 0.15 us on an
+# H100 (``gpus.GPUModel.l2_latency_cycles``), so 64 wait about 10 us, longer than a group's merge by
+# one program (a 16 x 512 partial's group of 8: 3.7 us modelled) and short beside a decode step.
+MERGE_POLLS = 64
+# fp32 elements of the partials' slices a merge in slices loads at once (``plan.merge_cols``): 2 of
+# MLA's 16 x 64 slices. A group's 8 at once make triton 3.6's 16-row MLA K/V loop spill on sm_90 (9
+# local accesses an iteration at 16 bits, 32 e4m3) and 4 lengthen it (674 and 913 SASS an
+# iteration), where 2 compile to 633 and 857 against 647 and 866 for one whole 16 x 512 partial a
+# wave (triton 3.7.1, which spills in none of them: 660 and 856 against 644 and 864).
+MERGE_SLICE_WAVE_ELEMS = 2048
 
 
 # Query rows of a block that the narrow-block settings (DecodeConfig.max_registers,
@@ -96,9 +107,9 @@ class DecodeConfig:
     # Row blocks of at least this many query rows compute their scores keys-major (K q^T,
     # ``attend._qk``); None: never. See _MLA_ROWS.
     scores_t_rows: int | None = None
-    # fp32 elements of one column slice of a merge (``merge.finish_split``) when a partial is wider
-    # than merge_wave_elems; None: merge_wave_elems. See _MLA_ROWS.
-    merge_slice_elems: int | None = None
+    # Reads of a merge's counter a contributor with no tiles left makes before it leaves the merge
+    # to its last arriver: MERGE_POLLS.
+    merge_polls: int = MERGE_POLLS
     # max_block_g of the batch-invariant variant when not max_block_g: its K/V loop holds two
     # states (a chunk's and a group's), which at 64 rows spill. See _MLA_ROWS.
     invariant_max_block_g: int | None = None
@@ -163,7 +174,6 @@ class DecodeConfig:
             "invariant_max_block_g",
             "one_sequence_max_block_g",
             "scores_t_rows",
-            "merge_slice_elems",
             "split_v_rows",
             "gluon_rows",
         ):
@@ -215,6 +225,9 @@ INVARIANT_SUPER_GROUPS = 4
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.
 INTERPRETER_PROGRAMS = 4
+# ...and so a read of a merge's counter after the first sees no count the first did not: a
+# contributor with no tiles left reads it once (MERGE_POLLS on a GPU).
+INTERPRETER_MERGE_POLLS = 1
 
 # Sequences scanned per step of the on-device cumulative-tile search. Fixed (not derived from the
 # batch size) so that a new batch size never recompiles; 128 covers typical decode batches in one step.
@@ -309,16 +322,16 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 8 times. On sm_90 64-row blocks read it twice: with the scores computed keys-major (K q^T,
 # ``attend._qk``: a 32-key block's scores are one mma.sync product no warp group repeats, and the
 # P.V product is a wgmma split over the two warp groups; q^T is copied to shared memory once a
-# segment) and the merge's partials read in column slices of 4096 fp32 (64 columns: the merger
-# holds no 64 x 512 state, whose registers otherwise spill in the K/V loop), 64-row blocks take
+# segment) and the merge's partials read in column slices (``plan.merge_cols``: the merger holds no
+# 64 x 512 state, whose registers otherwise spill in the K/V loop), 64-row blocks take
 # 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
 # 128 heads and Tq 4 reload 4-10 loop-invariant words an iteration; kernel report). The
 # batch-invariant variant keeps 16-row blocks: its loop holds two states, two 64 x 512 fp32
 # accumulators at 64 rows. sm_80 runs blocks of up to 32
 # rows: 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16-
-# and 32-key blocks, 3-5 stages, 16 warps tried). 32-row blocks (scores keys-major, merge slices of
-# 4096) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
+# and 32-key blocks, 3-5 stages, 16 warps tried). 32-row blocks (scores keys-major, merged in column
+# slices) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
 # 32-key iteration against 2 x 459 for two 16-row blocks (e4m3 649 against 2 x 565; paged16), and
 # read 13.6 KB of shared memory a key against 2 x 8.8 KB: 128 heads read each latent row 4 times,
 # not 8. Its batch-invariant variant keeps 16 rows (32 spill 30 times an iteration). The cost is the
@@ -327,11 +340,11 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # against 14.5 (sm_90's 64-row blocks measured the same trade on an H200: BENCHMARKS.md).
 _MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
 _MLA_ROWS32 = (
-    "; 8 warps, 32-row blocks (scores K q^T, merge slices of 4096): no K/V-loop spill, 1 program/SM; "
+    "; 8 warps, 32-row blocks (scores K q^T, merged in column slices): no K/V-loop spill, 1 program/SM; "
     "invariant variant 16-row blocks (kernel report)"
 )
 _MLA_ROWS64 = (
-    "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merge slices of 4096): no K/V-loop spill at "
+    "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merged in column slices): no K/V-loop spill at "
     "16 bits, 1 program/SM; invariant variant 16-row blocks (kernel report)"
 )
 # A 16-row block's score product (q K^T, mma.sync: 16 x 8 tiles over warpsPerCTA [1, 8]) is a chain of
@@ -697,7 +710,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         reason=_MLA + _MLA_ROWS32 + _AHEAD,
     ),
@@ -713,7 +725,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
         split_v_fewer_stages=1,
@@ -741,7 +752,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         reason=_MLA + _MLA_ROWS32 + _MLA_FP8_SM80 + _AHEAD,
     ),
@@ -757,7 +767,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
         one_sequence_max_contributors=2 * MAX_CONTRIBUTORS,
@@ -774,7 +783,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
         one_sequence_max_block_g=16,
@@ -791,7 +799,6 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         head_dim_v=512,
         scores_t_rows=32,
-        merge_slice_elems=4096,
         invariant_max_block_g=16,
         split_v_rows=128,
         reason="interpreter: mirrors the sm90 MLA fp8 entry, untimed",
@@ -816,7 +823,6 @@ TUNING_TABLE |= {
         TUNING_TABLE[("sm80", 576, elem)],
         max_block_g=16,
         scores_t_rows=None,
-        merge_slice_elems=None,
         invariant_max_block_g=None,
         reason=TUNING_TABLE[("sm80", 576, elem)].reason.replace(_MLA_ROWS32, _MLA_ROWS)
         + "; 99 KB a block: 16-row blocks (32-row blocks stage 108-111 KB; kernel report)",
@@ -906,7 +912,6 @@ TUNING_TABLE[("sm100", 576, 1)] = dataclasses.replace(
     block_n=64,
     max_block_g=16,
     scores_t_rows=None,
-    merge_slice_elems=None,
     invariant_max_block_g=None,
     split_v_rows=None,
     one_sequence_max_contributors=None,
