@@ -2,13 +2,14 @@
 tensor-parallel presets, and the command line. Each (problem, GPU) is simulated once per session
 (the schedule code runs in the interpreter on CPU: seconds per call)."""
 
+import dataclasses
 import functools
 import json
 import math
 
 import pytest
 
-from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUTORS, MERGE_FANIN
+from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUTORS, MERGE_FANIN, TUNING_TABLE
 from lean_tp.tools.gpus import LOOP_US
 from lean_tp.tools.simulate import (
     GPUS,
@@ -707,3 +708,20 @@ def test_the_gluon_route_is_modelled_as_its_kernel():
     )
     assert busy.units == 132 and busy.merge_us >= GPUS["H100"].launch_gap_us and busy.chain <= 4
     assert one.splits == 2 and one.chain == MAX_CONTRIBUTORS and one.merge_us > busy.merge_us
+
+
+def test_mla_merge_slices_are_shared_by_the_waiting_contributors(monkeypatch):
+    """DeepSeek-V3's TP-8 rank (16 heads) at B=1, 4k: one output over the grid, its 16 x 512
+    partials merged in 8 column slices. The contributors with no tiles left wait for their group's
+    merge and take slices beside its last arriver, so each level costs about one slice's round
+    trips, not one program's chain of them; with no wait (``merge_polls`` 0, the benchmark's
+    ``lean-merge-alone`` reads once) the last arrivers merge every slice alone, several times as
+    long."""
+    problem = Problem((4096,), 16, 1, 576, head_dim_v=512)
+    shared = lean_sim_schedule(problem, H100)
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    monkeypatch.setitem(TUNING_TABLE, ("sm90", 576, 2), dataclasses.replace(entry, merge_polls=0))
+    alone = lean_sim_schedule(problem, H100)
+    assert shared.splits == alone.splits == 1 and shared.chain == alone.chain > MERGE_FANIN
+    assert 0 < shared.merge_us < 0.4 * alone.merge_us and shared.merge_us < 3.0
+    assert shared.merge_bytes < alone.merge_bytes / 4

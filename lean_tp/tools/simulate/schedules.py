@@ -36,7 +36,7 @@ from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.plan import is_one_sequence
-from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS
+from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS, MERGE_POLLS
 from lean_tp.tools.gpus import GPUModel, loop_us
 from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share
 from lean_tp.tools.simulate.problems import Problem
@@ -288,9 +288,13 @@ def lean_sim_schedule(
     plan = merge_plan(programs)
     if batch_invariant:
         end, chain = _invariant_merges(programs, seg_end, kv_end, partial, cx["WAVE"], gpu)
+        merge_bytes = chain * partial
     else:
         slices = cx["BLOCK_D"] // cx["MERGE_COLS"]
-        end, chain = _tree_merges(plan, seg_end, kv_end, partial, cx["WAVE"], gpu, slices)
+        idle = {(p, segments[-1].slot) for p, segments in enumerate(programs) if segments}
+        end, chain, merge_bytes = _tree_merges(
+            plan, idle, seg_end, kv_end, partial, cx["WAVE"], gpu, slices, config.merge_polls
+        )
     return Schedule(
         "lean",
         sms,
@@ -300,7 +304,7 @@ def lean_sim_schedule(
         time_us=end,
         merge_us=end - kv_end,
         chain=chain,
-        merge_bytes=chain * partial,
+        merge_bytes=merge_bytes,
         bars=bars,
     )
 
@@ -334,20 +338,64 @@ def lean_reads(
 
 
 def _tree_merges(
-    plan: dict, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel, slices: int = 1
-) -> tuple[float, int]:
-    """(end, longest chain of partials) of the default mode's merge tree (``merge_plan``): each
-    group once its members' segments end, then the output's second level; each merge in
-    ``slices`` column slices."""
-    end, chain = kv_end, 0
+    plan: dict,
+    idle: set,
+    seg_end: dict,
+    kv_end: float,
+    partial: int,
+    wave: int,
+    gpu: GPUModel,
+    slices: int = 1,
+    polls: int = MERGE_POLLS,
+) -> tuple[float, int, int]:
+    """(end, longest chain of partials, most partial bytes one program reads) of the default mode's
+    merge tree (``merge_plan``, ``merge.finish_split``): each group once its last member arrives,
+    then the output's second level once every group is merged, each merge in ``slices`` column
+    slices shared by its last arriver and the contributors in ``idle`` (their segment is their
+    program's last) that are still waiting for it (``polls`` reads of its counter, the tuning
+    entry's ``merge_polls``, an L2 round trip each); a merge in one slice is its last arriver's
+    alone."""
+    end, chain, most = kv_end, 0, 0
+    wait = polls * gpu.l2_latency_us
     for groups in plan.values():
-        done = [max(seg_end[m] for m in g) + _merge_level_us(len(g), wave, partial, gpu, slices=slices) for g in groups]
+        output = len(groups) == 1
+        free, done, read = {}, [], 0.0
+        for g in groups:
+            ready = max(seg_end[m] for m in g) + gpu.l2_latency_us  # the last arrival
+            owner = max(g, key=lambda m: seg_end[m])
+            waiting = [m for m in g if m != owner and m in idle] if slices > 1 else []
+            helpers = [m for m in waiting if ready - seg_end[m] <= wait]
+            us, nbytes = _sliced_merge(len(g), wave, partial, gpu, slices, 1 + len(helpers), bool(waiting), output)
+            done.append(ready + us)
+            read = max(read, nbytes)
+            for m in waiting:  # when each is free to wait for the second level
+                free[m] = ready + us if m in helpers else seg_end[m] + wait
         finish = max(done)
-        if len(groups) > 1:
-            finish += gpu.l2_latency_us + _merge_level_us(len(groups), wave, partial, gpu, slices=slices)
+        if not output:
+            ready = finish + 2 * gpu.l2_latency_us  # the last group's m and l stored, then its count
+            helpers = [m for m, f in free.items() if ready - f <= wait]
+            us, nbytes = _sliced_merge(len(groups), wave, partial, gpu, slices, 1 + len(helpers), slices > 1, True)
+            finish = ready + us
+            read += nbytes
         end = max(end, finish)
-        chain = max(chain, max(map(len, groups)) + (len(groups) if len(groups) > 1 else 0))
-    return end, chain
+        chain = max(chain, max(map(len, groups)) + (0 if output else len(groups)))
+        most = max(most, int(read))
+    return end, chain, most
+
+
+def _sliced_merge(
+    members: int, wave: int, partial: int, gpu: GPUModel, slices: int, mergers: int, claims: bool, output: bool
+) -> tuple[float, float]:
+    """(time, partial bytes the busiest merger reads) of one merge of ``members`` partials in
+    ``slices`` column slices over ``mergers`` programs: each slice one L2 round trip per wave of
+    loads, its claim's (``claims``) and, in a group that is not the output, its count (then one more
+    claim, which finds none left, before the second level); its share of the partials through the
+    merger's L2 port."""
+    counted = claims and not output
+    trips = math.ceil(members / wave) + claims + counted
+    rounds = math.ceil(slices / mergers)
+    nbytes = rounds * members * partial / slices
+    return gpu.l2_latency_us * (rounds * trips + counted) + nbytes / (gpu.l2_port_gbps * 1e3), nbytes
 
 
 def _invariant_merges(
