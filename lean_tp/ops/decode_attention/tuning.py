@@ -326,7 +326,7 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 64 x 512 state, whose registers otherwise spill in the K/V loop), 64-row blocks take
 # 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
-# 128 heads and Tq 4 reload 4-10 loop-invariant words an iteration; kernel report). The
+# 64 and 128 heads and Tq 4 reload 1-10 loop-invariant words an iteration; kernel report). The
 # batch-invariant variant keeps 16-row blocks: its loop holds two states, two 64 x 512 fp32
 # accumulators at 64 rows. sm_80 runs blocks of up to 32
 # rows: 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16-
@@ -351,12 +351,12 @@ _MLA_ROWS64 = (
 # 36 dependent multiply-adds a warp (576 columns / 16) however many keys a block holds. At 32-key
 # blocks warps 4-7 repeat warps 0-3's tiles, and each of the 8 warps reads all of q (16 x 576, 18 KB)
 # from shared memory every iteration. 64-key blocks give each warp 8 keys of its own: on sm_90 at 16
-# rows 644 SASS and 306 KB of shared-memory reads an iteration (254 registers, no K/V-loop spill, 2
+# rows 660 SASS and 306 KB of shared-memory reads an iteration (222 registers, no K/V-loop spill, 2
 # K/V buffers, 165 KB of shared memory) against 2 x 501 and 2 x 266 KB for two 32-key iterations
 # (e4m3: 791 against 2 x 562; kernel report). The simulator's loop time for it is the measured
 # 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
 # blocks of 64 rows take 304 KB of shared memory.
-_MLA_KEYS64 = "; 16-row blocks of 64 keys: 644 SASS an iteration against 2 x 501 at 32 (kernel report)"
+_MLA_KEYS64 = "; 16-row blocks of 64 keys: 660 SASS an iteration against 2 x 501 at 32 (kernel report)"
 # DP attention's 128 heads on sm_90 run as one 128-row block in two head units that each hold
 # half of V's columns (``split_v_rows``, ``rows.unit_cols``) and compute the whole score: q K^T as a
 # wgmma over the two warp groups (64 rows each) with q in shared memory, P.V (128 x 256 fp32: 128
