@@ -20,6 +20,7 @@ from lean_tp.ops.decode_attention.cache import CacheLayout
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
+from lean_tp.ops.decode_attention.merge import _CLAIMED, _CLAIMED_OUT
 from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.tuning import MERGE_FANIN, DecodeConfig
 from lean_tp.ops.utils import interpreted
@@ -200,7 +201,7 @@ def test_merge_in_column_slices(arrival_order, monkeypatch):
 
 @pytest.mark.parametrize(
     "num_programs,region,first,claimed,unwritten",
-    [(8, 2, 0, 2, 32), (64, 4, 0, 1, 16), (64, 2, 24, 1, 64)],
+    [(8, _CLAIMED, 0, 2, 32), (64, _CLAIMED_OUT, 0, 1, 16), (64, _CLAIMED, 24, 1, 64)],
     ids=["one-group", "second-level", "group-unfinished"],
 )
 def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region, first, claimed, unwritten):
@@ -208,8 +209,9 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
     tiles left takes slices beside the last arriver. Claims made before the launch stand for such
     a contributor: the last arriver merges every other slice and leaves the claimed ones (NaN), a
     second level waits for every slice of every group (a group short of one slice: nothing is
-    stored), and the counters end at zero. Regions (``merge.py``): 2 a group's claims, 4 the
-    second level's, at the slot of the group's first member (``first``, slot 0)."""
+    stored), and the counters end at zero. The claims go in the kernel's own counter regions
+    (``merge.py``): a group's or the second level's, at the slot of the group's first member
+    (``first``, slot 0)."""
     config = dataclasses.replace(CONFIG, merge_wave_elems=512)
     lens = [WHOLE_GRID if num_programs == 64 else 16 * TILE - 3]
     inputs = make_feature_inputs(lens, 8, 1, 64, torch.float32, "paged16", seed=12)
@@ -218,7 +220,7 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
     (groups,) = plan_of(inputs, num_programs, config).values()
     assert len(groups) == (1 if num_programs == 8 else 8) and len(groups[0]) > 1
     counters = torch.zeros(counters_size(num_programs), dtype=torch.int32)
-    counters[region * 2 * num_programs + 2 * first] = claimed
+    counters[region.value * 2 * num_programs + 2 * first] = claimed
     out, lse, counters = run(inputs, num_programs, config=config, counters=counters)
     assert (counters == 0).all()
     # Slice 0, which stores the lse, is among the claimed ones.
