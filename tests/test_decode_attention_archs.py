@@ -133,6 +133,16 @@ def test_a_contributor_cap_below_two_is_refused():
         dataclasses.replace(entry, one_sequence_max_contributors=1)
 
 
+@pytest.mark.parametrize("polls", [-1, 2.0, True])
+def test_merge_polls_other_than_a_count_is_refused(polls):
+    """merge_polls is a kernel constexpr (reads of a merge's counter): a negative count, a float or
+    a bool is refused when the entry is made, naming the field; 0 and up are taken."""
+    entry = TUNING_TABLE[("sm90", 576, 2)]
+    assert dataclasses.replace(entry, merge_polls=0).merge_polls == 0
+    with pytest.raises(ValueError, match=rf"DecodeConfig.merge_polls: expected an int >= 0, got {polls!r}"):
+        dataclasses.replace(entry, merge_polls=polls)
+
+
 @pytest.mark.parametrize("arch,elem,one", [("sm90", 2, 128), ("sm90", 1, 128), ("sm100", 2, 64), ("sm100", 1, 64)])
 def test_one_mla_sequence_of_one_token_is_split_over_its_entrys_cap(arch, elem, one):
     """The kernel's cap (``MAX_CONTRIB``) is the entry's one-sequence cap for one sequence of one

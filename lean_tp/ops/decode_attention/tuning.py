@@ -193,6 +193,9 @@ class DecodeConfig:
             value = getattr(self, name)
             if value is not None and value < 2:  # the schedule's cost rule divides by value - 1
                 raise ValueError(f"DecodeConfig.{name}: expected an int >= 2, got {value}")
+        # A kernel constexpr: any other type would compile a kernel of its own.
+        if type(self.merge_polls) is not int or self.merge_polls < 0:
+            raise ValueError(f"DecodeConfig.merge_polls: expected an int >= 0, got {self.merge_polls!r}")
 
     def contributors_for(self, one_sequence: bool) -> int:
         """Most programs that share one output, for a call of one sequence
