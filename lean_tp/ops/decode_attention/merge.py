@@ -79,8 +79,7 @@ def _merge_partials(
     l_acc = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, COLS], tl.float32)
     for i0 in range(0, n_members, WAVE):
-        p = first + (i0 + o_w) * stride
-        o_slot = p * 2 + (program_start(p, total, n_active, LANES) < out_start).to(tl.int32)  # < 2**31: grid-sized
+        o_slot = _slot_of(first + (i0 + o_w) * stride, out_start, total, n_active, LANES)  # < 2**31: grid-sized
         m_wr = ((i0 + o_w) < n_members)[:, None] & (o_r < n_rows)[None, :]
         o_ml = (o_slot * 2)[:, None] * BLOCK_G + o_r[None, :]
         b_mp = tl.load(ws_ml_ptr + o_ml, mask=m_wr, other=float("-inf"), cache_modifier=".cg")
@@ -100,16 +99,23 @@ def _merge_partials(
 @triton.jit
 def arrive(counter_ptr, n_members):
     """Count this program in at a merge (a group or an output) of n_members; True for the last
-    arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay).
+    arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay)."""
+    return _count_arrival(counter_ptr, n_members, True) == n_members - 1
+
+
+@triton.jit
+def _count_arrival(counter_ptr, n_members, RESET: tl.constexpr):
+    """Count this program in at a merge of n_members and return how many were in before it; with
+    RESET the last arriver leaves the counter at zero (without, whoever reads it last does).
 
     The caller's barrier makes every thread's partial stores happen before the (single-thread)
     release; the acq_rel atomic orders the last arriver's later loads after all members' releases.
     """
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    is_last = arrived == n_members - 1
-    if is_last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return is_last
+    if RESET:
+        if arrived == n_members - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return arrived
 
 
 @triton.jit
@@ -149,6 +155,13 @@ def _slot_of(p, out_start, total, n_active, LANES: tl.constexpr):
     """Workspace slot of program p's partial of the output that starts at tile out_start: slot 1
     when the output began after p's first tile, else 0 (it is then p's first segment)."""
     return p * 2 + (program_start(p, total, n_active, LANES) < out_start).to(tl.int32)
+
+
+@triton.jit
+def _ends_within(p, out_start, n_tiles, total, n_active, LANES: tl.constexpr):
+    """Whether program p's range ends within the output of tiles [out_start, out_start + n_tiles):
+    it has no tiles left once its part of the output is published."""
+    return program_start(p + 1, total, n_active, LANES) <= out_start + n_tiles
 
 
 @triton.jit
@@ -307,19 +320,16 @@ def finish_split(
     o_out = _slot_of(p_first, out_start, total, n_active, LANES)
     # One slice: nothing to share, so nobody waits, and each count is zeroed by its last arriver.
     SHARED: tl.constexpr = BLOCK_D // COLS > 1
-    idle = (program_start(pid + 1, total, n_active, LANES) <= out_start + n_tiles) & SHARED
-    arrived = tl.atomic_add(counter_ptr + _ARRIVED * region + o_group, 1, sem="acq_rel", scope="gpu")
+    idle = _ends_within(pid, out_start, n_tiles, total, n_active, LANES) & SHARED
+    arrived = _count_arrival(counter_ptr + _ARRIVED * region + o_group, g_size, not SHARED)
     owner = arrived == g_size - 1
-    if not SHARED:
-        if owner:
-            tl.atomic_xchg(counter_ptr + _ARRIVED * region + o_group, 0, sem="relaxed", scope="gpu")
     helps = owner
     if idle & (arrived < g_size - 1):
         helps = _await_count(counter_ptr + _ARRIVED * region + o_group, g_size, POLLS)
     # The last contributor has tiles left unless the output ends where its range does; the others
     # have none and wait to take slices of their group's merge. Slices are claimed (an L2 round
     # trip each) unless the group's last arriver has no such member beside it.
-    last_busy = program_start(p_last + 1, total, n_active, LANES) > out_start + n_tiles
+    last_busy = not _ends_within(p_last, out_start, n_tiles, total, n_active, LANES)
     busy_mate = (p_first + g_first + g_size - 1 == p_last) & (pid != p_last) & last_busy
     claims = ((g_size - 1 - busy_mate.to(tl.int32) > 0) | (arrived < g_size - 1)) & SHARED
     owner_out = arrived < 0
