@@ -8,7 +8,7 @@ kernel fast. This process interprets kernels (TRITON_INTERPRET=1 is set at colle
 compiles run in subprocesses with the interpreter off. One xdist worker runs the module, so the
 compiles happen once.
 
-The tests that read compiled kernels (``COMPILES``: about 10 minutes of CPU, 5 on 2 idle cores)
+The tests that read compiled kernels (``COMPILES``: about 15 minutes of CPU, 8 on 2 idle cores)
 are CI's step of their own, ``pytest -m kernel_report``; the README's test command runs the rest.
 """
 
