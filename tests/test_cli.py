@@ -134,6 +134,8 @@ FLAG_CASES = [
     *[("kernel_report", ["--workers", v], "--workers") for v in ("0", "-1", "x", "99999")],
     ("kernel_report", ["--set", "nope=1"], "--set"),
     ("kernel_report", ["--set", "block_n=x"], "--set"),
+    ("kernel_report", ["--only", "nope=1"], "--only"),
+    ("kernel_report", ["--only", "arch"], "--only"),
 ]
 
 

@@ -596,6 +596,21 @@ def test_plan_sizes_the_grid_for_the_calls_variant(monkeypatch):
     assert plan.kernel.features == launcher.Features(num_tokens=4, window=True, leftpad=True)
 
 
+def test_only_selects_the_kernels_whose_fields_read_as_given():
+    """``--only``: the jobs of every field given, by its value as printed; none of another field."""
+    from lean_tp.tools.kernel_report import report_jobs, select_jobs
+
+    jobs = report_jobs()
+    picked = select_jobs(jobs, {"arch": "sm90", "head_dim": "576", "features": "tq4"})
+    assert picked == [("sm90", 576, "fp16", "paged16", 16, False, (), "tq4")]
+    mla_sm80 = select_jobs(jobs, {"arch": "sm80", "head_dim": "576"})
+    assert mla_sm80 and {(j[0], j[1]) for j in mla_sm80} == {("sm80", 576)}
+    assert len(mla_sm80) == sum(1 for j in jobs if j[:2] == ("sm80", 576))
+    assert select_jobs(jobs, {}) == jobs and select_jobs(jobs, {"arch": "sm70"}) == []
+    with pytest.raises(ValueError, match=r"only: expected fields among arch, .*, got leftpad"):
+        select_jobs(jobs, {"leftpad": "True"})
+
+
 def test_issue_share_and_bytes_in_flight_follow_their_definitions():
     """sm_90 D=128 fp16, 64 keys per iteration: 32 KB of K and V take 32768 / (3.0 TB/s / 132 SMs)
     = 1.44 us = 2530 cycles at 1.755 GHz; 632 SASS x 4 warps / 4 schedulers = 632 issue cycles."""

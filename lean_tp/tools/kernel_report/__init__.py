@@ -3,6 +3,7 @@
     python -m lean_tp.tools.kernel_report            # markdown table (docs/kernel_report.md)
     python -m lean_tp.tools.kernel_report --json     # one object per kernel, for machines
     python -m lean_tp.tools.kernel_report --set block_n=128   # a trial: every entry with a field changed
+    python -m lean_tp.tools.kernel_report --only arch=sm90 --only features=tq4   # a few kernels, quickly
 
 Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize it
 (``grid.compile_as_launched``), with a GQA group of 4. Read from the cubin and PTX:
@@ -51,6 +52,7 @@ from lean_tp.tools.kernel_report.report import (
     report_jobs,
     run_report,
     sample_jobs,
+    select_jobs,
     to_markdown,
 )
 from lean_tp.tools.kernel_report.sass import kv_loop_of_sass, merge_loop_of_sass, page_id_timing
@@ -75,5 +77,6 @@ __all__ = [
     "report_jobs",
     "run_report",
     "sample_jobs",
+    "select_jobs",
     "to_markdown",
 ]

@@ -7,11 +7,13 @@ import json
 from lean_tp import cli
 from lean_tp.ops.decode_attention.tuning import config_override
 from lean_tp.tools.kernel_report.report import (
+    SELECTABLE,
     arch_jobs,
     arch_markdown,
     report_jobs,
     run_report,
     sample_jobs,
+    select_jobs,
     to_markdown,
 )
 
@@ -24,6 +26,16 @@ def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str
         except ValueError as exc:
             p.fail("--set", str(exc), item)
     return tuple(overrides)
+
+
+def _parse_only(p: cli.ArgumentParser, items: list[str]) -> dict[str, str]:
+    only = {}
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq or field not in SELECTABLE:
+            p.fail("--only", f"FIELD=VALUE with FIELD among {', '.join(SELECTABLE)}", item)
+        only[field] = value
+    return only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,15 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         help="the architectures beyond sm_80 and sm_90 (sm_86, sm_89, sm_100, sm_120), each against its limits",
     )
     p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="compile only the kernels whose field reads VALUE (arch, head_dim, dtype, layout, group, features; "
+        "e.g. --only arch=sm90 --only features=tq4): a quick look before regenerating the report",
+    )
+    p.add_argument(
         "--workers", type=cli.integer(1, 256), default=None, help="parallel compiles (default: one per core)"
     )
     args = p.parse_args(argv)
+    only = _parse_only(p, args.only)
     if args.archs:
-        rows = run_report(arch_jobs(sample=args.sample), args.workers)
+        rows = run_report(select_jobs(arch_jobs(sample=args.sample), only), args.workers)
         print(json.dumps([r.as_json() for r in rows], indent=1) if args.json else arch_markdown(rows), end="")
         return 0
     jobs = report_jobs(args.variants, _parse_overrides(p, args.set))
-    rows = run_report(sample_jobs(jobs) if args.sample else jobs, args.workers)
+    rows = run_report(select_jobs(sample_jobs(jobs) if args.sample else jobs, only), args.workers)
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 
@@ -359,6 +360,22 @@ def _pick(features: str, of_arch: list[tuple], i: int) -> tuple:
     if features in INVARIANT_BASE or features and features in INVARIANT_BASE.values():
         return max((j for j in of_arch if not paired_head_dim_v(j[1])), key=lambda j: j[1])
     return of_arch[i % len(of_arch)]
+
+
+# A job is ``compile_stats``'s arguments in order; ``--only`` selects on these of them.
+JOB_FIELDS = tuple(inspect.signature(compile_stats).parameters)
+SELECTABLE = ("arch", "head_dim", "dtype", "layout", "group", "features")
+
+
+def select_jobs(jobs: list[tuple], only: dict[str, str]) -> list[tuple]:
+    """The jobs whose every field named in ``only`` (keys of ``SELECTABLE``) reads as its value:
+    a few kernels compiled in seconds, to see whether a change to shared kernel code moves them
+    before the whole report is regenerated. An unknown field is a ``ValueError`` naming it."""
+    unknown = sorted(set(only) - set(SELECTABLE))
+    if unknown:
+        raise ValueError(f"only: expected fields among {', '.join(SELECTABLE)}, got {', '.join(unknown)}")
+    at = {name: JOB_FIELDS.index(name) for name in only}
+    return [job for job in jobs if all(str(job[at[name]]) == value for name, value in only.items())]
 
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
