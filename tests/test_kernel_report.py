@@ -597,18 +597,21 @@ def test_plan_sizes_the_grid_for_the_calls_variant(monkeypatch):
 
 
 def test_only_selects_the_kernels_whose_fields_read_as_given():
-    """``--only``: the jobs of every field given, by its value as printed; none of another field."""
-    from lean_tp.tools.kernel_report import report_jobs, select_jobs
+    """``--only``: the jobs of every field given, by its value as printed; a field it does not
+    select on, or an item without a value, is refused."""
+    from lean_tp.tools.kernel_report import only_field, report_jobs, select_jobs
 
     jobs = report_jobs()
-    picked = select_jobs(jobs, {"arch": "sm90", "head_dim": "576", "features": "tq4"})
+    only = lambda *items: tuple(map(only_field, items))  # noqa: E731
+    picked = select_jobs(jobs, only("arch=sm90", "head_dim=576", "features=tq4"))
     assert picked == [("sm90", 576, "fp16", "paged16", 16, False, (), "tq4")]
-    mla_sm80 = select_jobs(jobs, {"arch": "sm80", "head_dim": "576"})
+    mla_sm80 = select_jobs(jobs, only("arch=sm80", "head_dim=576"))
     assert mla_sm80 and {(j[0], j[1]) for j in mla_sm80} == {("sm80", 576)}
     assert len(mla_sm80) == sum(1 for j in jobs if j[:2] == ("sm80", 576))
-    assert select_jobs(jobs, {}) == jobs and select_jobs(jobs, {"arch": "sm70"}) == []
-    with pytest.raises(ValueError, match=r"only: expected fields among arch, .*, got leftpad"):
-        select_jobs(jobs, {"leftpad": "True"})
+    assert select_jobs(jobs, ()) == jobs and select_jobs(jobs, only("arch=sm70")) == []
+    for bad in ("leftpad=True", "arch", "=sm90"):
+        with pytest.raises(ValueError, match=r"FIELD=VALUE with FIELD one of arch, head_dim, "):
+            only_field(bad)
 
 
 def test_issue_share_and_bytes_in_flight_follow_their_definitions():

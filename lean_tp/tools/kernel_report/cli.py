@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from lean_tp import cli
 from lean_tp.ops.decode_attention.tuning import config_override
 from lean_tp.tools.kernel_report.report import (
-    SELECTABLE,
     arch_jobs,
     arch_markdown,
+    only_field,
     report_jobs,
     run_report,
     sample_jobs,
@@ -18,24 +19,16 @@ from lean_tp.tools.kernel_report.report import (
 )
 
 
-def _parse_overrides(p: cli.ArgumentParser, items: list[str]) -> tuple[tuple[str, int], ...]:
-    overrides = []
+def _parse_items(p: cli.ArgumentParser, flag: str, items: list[str], parse: Callable[[str], tuple]) -> tuple:
+    """Each of a repeated ``FIELD=VALUE`` flag's items through ``parse``; one line naming the flag
+    for the first it refuses."""
+    parsed = []
     for item in items:
         try:
-            overrides.append(config_override(item))
+            parsed.append(parse(item))
         except ValueError as exc:
-            p.fail("--set", str(exc), item)
-    return tuple(overrides)
-
-
-def _parse_only(p: cli.ArgumentParser, items: list[str]) -> dict[str, str]:
-    only = {}
-    for item in items:
-        field, eq, value = item.partition("=")
-        if not eq or field not in SELECTABLE:
-            p.fail("--only", f"FIELD=VALUE with FIELD among {', '.join(SELECTABLE)}", item)
-        only[field] = value
-    return only
+            p.fail(flag, str(exc), item)
+    return tuple(parsed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=cli.integer(1, 256), default=None, help="parallel compiles (default: one per core)"
     )
     args = p.parse_args(argv)
-    only = _parse_only(p, args.only)
+    only = _parse_items(p, "--only", args.only, only_field)
     if args.archs:
         rows = run_report(select_jobs(arch_jobs(sample=args.sample), only), args.workers)
         print(json.dumps([r.as_json() for r in rows], indent=1) if args.json else arch_markdown(rows), end="")
         return 0
-    jobs = report_jobs(args.variants, _parse_overrides(p, args.set))
+    jobs = report_jobs(args.variants, _parse_items(p, "--set", args.set, config_override))
     rows = run_report(select_jobs(sample_jobs(jobs) if args.sample else jobs, only), args.workers)
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))

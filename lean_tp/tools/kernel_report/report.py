@@ -367,15 +367,20 @@ JOB_FIELDS = tuple(inspect.signature(compile_stats).parameters)
 SELECTABLE = ("arch", "head_dim", "dtype", "layout", "group", "features")
 
 
-def select_jobs(jobs: list[tuple], only: dict[str, str]) -> list[tuple]:
-    """The jobs whose every field named in ``only`` (keys of ``SELECTABLE``) reads as its value:
-    a few kernels compiled in seconds, to see whether a change to shared kernel code moves them
-    before the whole report is regenerated. An unknown field is a ``ValueError`` naming it."""
-    unknown = sorted(set(only) - set(SELECTABLE))
-    if unknown:
-        raise ValueError(f"only: expected fields among {', '.join(SELECTABLE)}, got {', '.join(unknown)}")
-    at = {name: JOB_FIELDS.index(name) for name in only}
-    return [job for job in jobs if all(str(job[at[name]]) == value for name, value in only.items())]
+def only_field(text: str) -> tuple[str, str]:
+    """(field, value) of ``--only``'s ``FIELD=VALUE``, FIELD one of ``SELECTABLE``; ValueError
+    giving what it expects."""
+    field, eq, value = text.partition("=")
+    if eq and field in SELECTABLE:
+        return field, value
+    raise ValueError(f"FIELD=VALUE with FIELD one of {', '.join(SELECTABLE)}")
+
+
+def select_jobs(jobs: list[tuple], only: tuple[tuple[str, str], ...]) -> list[tuple]:
+    """The jobs whose every field in ``only`` (``only_field``'s pairs) reads as its value: a few
+    kernels compiled in seconds, to see whether a change to shared kernel code moves them before
+    the whole report is regenerated."""
+    return [job for job in jobs if all(str(job[JOB_FIELDS.index(f)]) == value for f, value in only)]
 
 
 def run_report(jobs: list[tuple], workers: int | None = None, progress: bool = True) -> list[KernelStats]:
