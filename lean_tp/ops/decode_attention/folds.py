@@ -1,12 +1,14 @@
 """The batch-invariant mode's folds across programs (invariant.py defines the fold): a split
 group's chunks, a supergroup's groups and an output's supergroups, each folded left to right from
-the workspace by the last program to make a member known."""
+the workspace by the last program to make a member known; an output's supergroups in column slices
+that the contributors with no tiles left share (``finish_output``)."""
 
 import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.chunks import empty_state, fold_pair
-from lean_tp.ops.decode_attention.merge import arrive, load_partial, store_partial
+from lean_tp.ops.decode_attention.merge import arrive, await_count, ends_within, load_partial, store_partial
+from lean_tp.ops.decode_attention.rows import store_output, unit_cols
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
 
 
@@ -17,43 +19,54 @@ def out_slots(max_groups, ISUPER: tl.constexpr):
 
 
 @triton.jit
+def out_slot0(s, hu, HU, num_programs, max_groups, IGROUP: tl.constexpr, ISUPER: tl.constexpr):
+    """Workspace slot of group 0's value of head unit hu of schedule sequence s (invariant.py's layout).
+    int32: the slots number fewer than the batch's tiles (``plan.check_tile_count``)."""
+    return num_programs * IGROUP + (s * HU + hu) * out_slots(max_groups, ISUPER)
+
+
+@triton.jit
 def fold_slots(
     ws_acc_ptr,
     ws_ml_ptr,
     slot0,
     n,
     n_rows,
+    c0,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
     WAVE: tl.constexpr,
     MOST: tl.constexpr,
 ):
-    """Fold the values in slots [slot0, slot0 + n), left to right, WAVE at a time: a wave's loads
-    do not wait on its folds, so it waits for L2 about once. Past n a load reads nothing and gives
-    the empty state, whose fold leaves every bit as it was (``chunks.fold_pair``: its weight is
+    """Fold columns [c0, c0 + COLS) of the values in slots [slot0, slot0 + n), left to right, WAVE
+    at a time: a wave's loads do not wait on its folds, so it waits for L2 about once. Every column
+    folds as it does in a whole fold (``chunks.fold_pair`` is by row and column). Past n a load
+    reads nothing and gives the empty state, whose fold leaves every bit as it was (its weight is
     exp2(-inf) = 0, the state's exp2(0) = 1). MOST: the most values the call can have (WAVE where
     there is no bound); a wave is no wider, the same single wait with fewer loads for the kernel
     to hold (each inlined fold's loads add to its compile time, which grows faster than they do)."""
     W: tl.constexpr = WAVE if WAVE < MOST else MOST
-    acc, m, l = empty_state(BLOCK_G, BLOCK_D)
+    acc, m, l = empty_state(BLOCK_G, COLS)
     for k0 in range(0, n, W):
         for w in tl.static_range(W):
             rows = tl.where(k0 + w < n, n_rows, 0)
-            g_acc, g_m, g_l = load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k0 + w, rows, BLOCK_D, BLOCK_G)
+            g_acc, g_m, g_l = load_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k0 + w, rows, c0, BLOCK_D, BLOCK_G, COLS)
             acc, m, l = fold_pair(acc, m, l, g_acc, g_m, g_l)
     return acc, m, l
 
 
 @triton.jit
-def _count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order):
+def _count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order, RESET: tl.constexpr):
     """Whether this program makes the last of n_members values of a fold over tiles [t_first,
-    t_last] known: by count at the counter of their first holder, or, when one program holds them
-    all (so it makes each known, in order), where ``in_order`` says this one is the last."""
+    t_last] known: by count at the counter of their first holder (``merge.arrive``: RESET zeroes
+    it there), or, when one program holds them all (so it makes each known, in order), where
+    ``in_order`` says this one is the last."""
     tl.debug_barrier()  # every thread's stores of the value before the count (``merge.arrive``)
     p_first = program_of_tile(t_first, total, n_active, 1)
     last = in_order
     if p_first != program_of_tile(t_last, total, n_active, 1):
-        last = arrive(counter_ptr + p_first, n_members)
+        last = arrive(counter_ptr + p_first, n_members, RESET)
     return last
 
 
@@ -80,11 +93,15 @@ def group_known(
     IGROUP: tl.constexpr,
     ISUPER: tl.constexpr,
     WAVE: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
     """Group k's value is in its slot (slot0 + k), written by this program (and in g when
-    ``held``): the last of its supergroup's groups to be known folds the supergroup, and the last
-    supergroup the output. A supergroup of one group is that group's value: nothing to count.
-    Returns (whether this program finished the output, and its state when it did)."""
+    ``held``): the last of its supergroup's groups to be known folds the supergroup. A supergroup
+    of one group is that group's value: nothing to count. An output of one supergroup is its value;
+    of several, each is stored and counted in, and the last to be known folds the output, or, where
+    the output is folded in column slices (SLICED), owns that fold (``finish_output``, which then
+    zeroes the count). Returns (whether this program finished the output, whether it owns the
+    output's sliced fold, and the output's state when it finished it)."""
     n_groups = cdiv(n_tiles, IGROUP)
     k0 = k // ISUPER * ISUPER
     k1 = tl.minimum(k0 + ISUPER, n_groups)
@@ -93,21 +110,31 @@ def group_known(
     s_done = single
     if k1 - k0 > 1:
         s_done = _count_in(
-            counter_ptr + 2 * num_programs, out_start + k0 * IGROUP, t_end - 1, k1 - k0, total, n_active, k == k1 - 1
+            counter_ptr + 2 * num_programs,
+            out_start + k0 * IGROUP,
+            t_end - 1,
+            k1 - k0,
+            total,
+            n_active,
+            k == k1 - 1,
+            True,
         )
     done = False
+    owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
     if s_done:
         if single & held:
             acc, m, l = g_acc, g_m, g_l
         else:
-            acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, BLOCK_D, BLOCK_G, WAVE, ISUPER)
+            acc, m, l = fold_slots(
+                ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
+            )
         n_supers = cdiv(n_groups, ISUPER)
         done = n_supers == 1
         if n_supers > 1:
             s = k // ISUPER
             store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + s, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
-            done = _count_in(
+            last = _count_in(
                 counter_ptr + num_programs,
                 out_start,
                 out_start + n_tiles - 1,
@@ -115,12 +142,18 @@ def group_known(
                 total,
                 n_active,
                 s == n_supers - 1,
+                not SLICED,
             )
-            if done:
-                acc, m, l = fold_slots(
-                    ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, BLOCK_D, BLOCK_G, WAVE, WAVE
-                )
-    return done, acc, m, l
+            if SLICED:
+                owner = last
+            else:
+                done = last
+                if done:
+                    acc, m, l = fold_slots(
+                        ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D,
+                        WAVE, WAVE,
+                    )  # fmt: skip
+    return done, owner, acc, m, l
 
 
 @triton.jit
@@ -140,14 +173,14 @@ def _fold_group(
     """Value of the group of chunks [g0, g1) (linear tile indices) that several programs hold: the
     first holder's fold of its chunks, then each later chunk from its holder's slot, in order."""
     p = program_of_tile(g0, total, n_active, 1)
-    acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, BLOCK_D, BLOCK_G)
+    acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D)
     for t0 in range(program_start(p + 1, total, n_active, 1), g1, WAVE):
         for w in tl.static_range(WAVE):  # a wave of chunks, as in fold_slots
             t = t0 + w
             holder = program_of_tile(t, total, n_active, 1)
             o_slot = holder * IGROUP + t - program_start(holder, total, n_active, 1)
             rows = tl.where(t < g1, n_rows, 0)
-            c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, BLOCK_D, BLOCK_G)
+            c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, 0, BLOCK_D, BLOCK_G, BLOCK_D)
             acc, m, l = fold_pair(acc, m, l, c_acc, c_m, c_l)
     return acc, m, l
 
@@ -171,23 +204,26 @@ def finish_group(
     IGROUP: tl.constexpr,
     ISUPER: tl.constexpr,
     WAVE: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
     """Count this program in at group k of a split output, after publishing its chunks of it; the
     last holder to arrive folds the group and makes its value known (``group_known``). Returns
-    (whether this program finished the output, and its state when it did)."""
+    (whether this program finished the output, whether it owns the output's fold, and the output's
+    state when it finished it)."""
     g0 = out_start + k * IGROUP
     g1 = tl.minimum(g0 + IGROUP, out_start + n_tiles)
     p_first = program_of_tile(g0, total, n_active, 1)
     done = False
+    owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
     if _count_in(
-        counter_ptr, g0, g1 - 1, program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1, total, n_active, False
+        counter_ptr, g0, g1 - 1, program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1, total, n_active, False, True
     ):
         g_acc, g_m, g_l = _fold_group(
             ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, BLOCK_D, BLOCK_G, IGROUP, WAVE
         )
         store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
-        done, acc, m, l = group_known(
+        done, owner, acc, m, l = group_known(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -209,5 +245,85 @@ def finish_group(
             IGROUP,
             ISUPER,
             WAVE,
+            SLICED,
         )
-    return done, acc, m, l
+    return done, owner, acc, m, l
+
+
+@triton.jit
+def finish_output(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    counter_ptr,
+    out_ptr,
+    lse_ptr,
+    sinks_ptr,
+    owner,
+    pid,
+    s,
+    hu,
+    out_start,
+    n_tiles,
+    total,
+    n_active,
+    num_programs,
+    max_groups,
+    HU,
+    n_rows,
+    HQ,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    IGROUP: tl.constexpr,
+    ISUPER: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    POLLS: tl.constexpr,
+):
+    """Fold and store an output of several supergroups, where they are folded in column slices
+    (``group_known``'s SLICED), once the last of them is known: slices of COLS, SLICE_WAVE values
+    loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
+    with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
+    slice folds the same values in the same order, so who folds it never changes its bits. Where
+    several programs hold the output, each counts itself out here, and the last zeroes the
+    output's counters (its count, claims and leavers) for the next launch (or CUDA-graph replay)."""
+    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    if n_supers > 1:
+        p_first = program_of_tile(out_start, total, n_active, 1)
+        p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
+        shared = p_first != p_last
+        known = counter_ptr + num_programs + p_first
+        claimed = counter_ptr + 3 * num_programs + p_first
+        helps = owner
+        if shared & (owner == 0) & ends_within(pid, out_start, n_tiles, total, n_active, 1):
+            helps = await_count(known, n_supers, POLLS)
+        if helps:
+            first = out_slot0(s, hu, HU, num_programs, max_groups, IGROUP, ISUPER) + max_groups
+            k = pid * 0
+            if shared:
+                k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+            while k < BLOCK_D // COLS:
+                # The next claim is made before this slice's loads, so that their round trips overlap.
+                nxt = k + 1
+                if shared:
+                    nxt = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+                c0 = k * COLS
+                acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, first, n_supers, n_rows, c0, BLOCK_D, BLOCK_G, COLS,
+                                       SLICE_WAVE, SLICE_WAVE)  # fmt: skip
+                store_output(
+                    out_ptr, lse_ptr, sinks_ptr, s, hu, acc, m, l, unit_cols(hu, NUM_VC, BLOCK_D) + c0, HQ,
+                    GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
+                )  # fmt: skip
+                k = nxt
+        if shared:
+            left = counter_ptr + 4 * num_programs + p_first
+            if tl.atomic_add(left, 1, sem="acq_rel", scope="gpu") == p_last - p_first:
+                tl.atomic_xchg(known, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(claimed, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(left, 0, sem="relaxed", scope="gpu")

@@ -20,17 +20,20 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   sequence, schedule.py): the output's group k's value at + k, supergroup s's at + max_groups + s
   (an output of one supergroup that one program holds keeps its last group in registers, and
   that program folds the others from their slots).
-Counters: a split group's at its first holder p, a split output's at num_programs + its first
-holder, a split supergroup's at 2 num_programs + its first holder (a program's range ends in at
-most one group, supergroup and output that go on past it). A supergroup or output that one
-program holds needs none: its values are known in order, in that program.
+An output of several supergroups is folded in column slices, shared by its contributors with no
+tiles left (``folds.finish_output``). Counters, at a fold's first holder p (a program's range ends
+in at most one group, supergroup and output that go on past it): a split group's at p, a split
+output's known supergroups at num_programs + p, its claimed column slices at 3 num_programs + p and
+its contributors gone at 4 num_programs + p, a split supergroup's at 2 num_programs + p. A
+supergroup or output that one program holds needs none: its values are known in order, in that
+program.
 """
 
 import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.chunks import attend_chunks, empty_state, fold_pair
-from lean_tp.ops.decode_attention.folds import finish_group, fold_slots, group_known, out_slots
+from lean_tp.ops.decode_attention.folds import finish_group, fold_slots, group_known, out_slot0
 from lean_tp.ops.decode_attention.merge import store_partial
 from lean_tp.ops.decode_attention.schedule import cdiv
 
@@ -95,18 +98,20 @@ def attend_invariant(
     V_IN_K: tl.constexpr,
     SCORES_T: tl.constexpr,
     WAVE: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of the output of head
     unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
     real rows): each chunk attended from a fresh state and folded as this module's docstring
-    fixes. Returns (whether this program finishes the output, and its state when it does)."""
+    fixes; SLICED: an output's supergroups are folded in column slices (``folds.finish_output``).
+    Returns (whether this program finishes the output, whether it owns the output's sliced fold,
+    and the output's state when it finishes it)."""
     # An output of one supergroup that this program holds whole is folded by it, with no count.
     whole = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
     stop = tile + seg_n
     # Chunks [tile, lead_end) finish a group that an earlier program began: published one by one.
     lead_end = tl.minimum(cdiv(tile, IGROUP) * IGROUP, stop)
-    # int32: the slots number fewer than the batch's tiles (``plan.check_tile_count``).
-    slot0 = num_programs * IGROUP + (s * HU + hu) * out_slots(max_groups, ISUPER)
+    slot0 = out_slot0(s, hu, HU, num_programs, max_groups, IGROUP, ISUPER)
     g_acc, g_m, g_l, bad = attend_chunks(
         b_q,
         b_qt,
@@ -170,14 +175,17 @@ def attend_invariant(
             store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
     o_acc, o_m, o_l = empty_state(BLOCK_G, BLOCK_D)
     done = whole
+    owner = tile < 0
     if whole:
         tl.debug_barrier()  # the group values this program's threads stored, before its loads of them
         # The output is one supergroup: fewer than ISUPER groups' values in slots.
-        o_acc, o_m, o_l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0, k_hi - 1, n_rows, BLOCK_D, BLOCK_G, WAVE, ISUPER)
+        o_acc, o_m, o_l = fold_slots(
+            ws_acc_ptr, ws_ml_ptr, slot0, k_hi - 1, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
+        )
         o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
     else:
         for k in range(k_lo, k_hi):
-            fin, f_acc, f_m, f_l = group_known(
+            fin, f_owner, f_acc, f_m, f_l = group_known(
                 ws_acc_ptr,
                 ws_ml_ptr,
                 counter_ptr,
@@ -199,10 +207,12 @@ def attend_invariant(
                 IGROUP,
                 ISUPER,
                 WAVE,
+                SLICED,
             )
             done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
+            owner = owner | f_owner
     if lead_end > tile:
-        fin, f_acc, f_m, f_l = finish_group(
+        fin, f_owner, f_acc, f_m, f_l = finish_group(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -220,12 +230,14 @@ def attend_invariant(
             IGROUP,
             ISUPER,
             WAVE,
+            SLICED,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
+        owner = owner | f_owner
     if (stop % IGROUP != 0) & (stop < n_tiles) & (stop // IGROUP * IGROUP >= lead_end):
         # The range ends inside a group it began: publish the fold of its chunks of it.
         store_partial(ws_acc_ptr, ws_ml_ptr, pid * IGROUP + IGROUP - 1, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
-        fin, f_acc, f_m, f_l = finish_group(
+        fin, f_owner, f_acc, f_m, f_l = finish_group(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -243,9 +255,11 @@ def attend_invariant(
             IGROUP,
             ISUPER,
             WAVE,
+            SLICED,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
-    return done, o_acc, o_m, o_l
+        owner = owner | f_owner
+    return done, owner, o_acc, o_m, o_l
 
 
 @triton.jit

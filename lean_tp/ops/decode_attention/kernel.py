@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.attend import attend_segment, kv_scale
+from lean_tp.ops.decode_attention.folds import finish_output
 from lean_tp.ops.decode_attention.invariant import attend_invariant
 from lean_tp.ops.decode_attention.merge import finish_split
 from lean_tp.ops.decode_attention.rows import (
@@ -113,6 +114,7 @@ def decode_attention_fwd_kernel(
     FANIN: tl.constexpr,
     WAVE: tl.constexpr,
     MERGE_COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
     MERGE_POLLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -143,8 +145,9 @@ def decode_attention_fwd_kernel(
     every q and K/V stride (the launcher checks); dividing and multiplying by it is exact and lets
     the compiler prove the alignment (``tl.multiple_of`` does not attach to scalar arguments).
     INVARIANT: the batch-invariant mode (invariant.py), with chunks folded in groups of IGROUP, groups
-    in supergroups of ISUPER, and max_groups groups per output at most; the default mode ignores
-    max_groups.
+    in supergroups of ISUPER, and max_groups groups per output at most, supergroups' values folded
+    in column slices of MERGE_COLS, SLICE_WAVE at once where SLICE_WAVE > 0; the default mode
+    ignores max_groups (and has SLICE_WAVE 0).
     num_pages: the paged pool's size; a key on a page id outside [0, num_pages) is never read and
     makes its sequence's output rows and lse NaN (``attend_segment``).
     SEQ_TOKENS: the call's sequences are scheduled whole (1), or each of their TQ query tokens as a
@@ -174,6 +177,9 @@ def decode_attention_fwd_kernel(
     # column blocks (NUM_VC = 2): there q (BLOCK_G x 576, 144 registers a thread at 128 rows) would
     # be live beside the accumulator (128), which spills.
     Q_AHEAD: tl.constexpr = NUM_VC == 1
+    # The batch-invariant fold of an output's supergroups goes in column slices (``plan``'s
+    # SLICE_WAVE, ``folds.finish_output``), else whole, by the program that makes the last known.
+    FOLD_SLICED: tl.constexpr = SLICE_WAVE > 0
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
     NS = B * SEQ_TOKENS
@@ -215,7 +221,7 @@ def decode_attention_fwd_kernel(
         k_scale = kv_scale(k_scale_ptr, h_kv, stride_ks, HAS_SCALES, E4M3_BITS)
         n_rows = tl.minimum(ROWS_TQ * GROUP - (hu % NUM_GC // NUM_VC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
         if INVARIANT:
-            do_store, b_acc, b_m, b_l = attend_invariant(
+            do_store, owner, b_acc, b_m, b_l = attend_invariant(
                 b_q,
                 b_qt,
                 k_ptr,
@@ -274,6 +280,7 @@ def decode_attention_fwd_kernel(
                 V_IN_K,
                 SCORES_T,
                 WAVE,
+                FOLD_SLICED,
             )
         else:
             b_acc, b_m, b_l = attend_segment(
@@ -346,6 +353,13 @@ def decode_attention_fwd_kernel(
                     BLOCK_DT,
                 )
             else:
+                if FOLD_SLICED:
+                    finish_output(
+                        ws_acc_ptr, ws_ml_ptr, counter_ptr, out_ptr, lse_ptr, sinks_ptr, owner, pid, b, hu,
+                        out_start, n_tiles, total, n_active, num_programs, max_groups, HU, n_rows, HKV * GROUP,
+                        GROUP, TQ, SEQ_TOKENS, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS, IGROUP,
+                        ISUPER, MERGE_COLS, SLICE_WAVE, MERGE_POLLS,
+                    )  # fmt: skip
                 if not INVARIANT:
                     do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output
                     if not do_store:  # the output's last merger stores it

@@ -26,11 +26,14 @@ def store_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, b_acc, b_m, b_l, BLOCK_
 
 
 @triton.jit
-def load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+def load_partial(
+    ws_acc_ptr, ws_ml_ptr, o_slot, n_rows, c0, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, COLS: tl.constexpr
+):
     """Rows [0, n_rows) of workspace slot o_slot, as ``store_partial`` wrote them (the empty state
-    past them). ``.cg``: other SMs wrote them."""
+    past them): acc's columns [c0, c0 + COLS) ([BLOCK_G, COLS]), m and l ([BLOCK_G]). ``.cg``:
+    other SMs wrote them."""
     o_g = tl.arange(0, BLOCK_G)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = c0 + tl.arange(0, COLS)
     m_g = o_g < n_rows
     o_slot = tl.cast(o_slot, tl.int64)
     acc = tl.load(
@@ -97,10 +100,12 @@ def _merge_partials(
 
 
 @triton.jit
-def arrive(counter_ptr, n_members):
-    """Count this program in at a merge (a group or an output) of n_members; True for the last
-    arriver, which also leaves the counter at zero for the next launch (or CUDA-graph replay)."""
-    return _count_arrival(counter_ptr, n_members, True) == n_members - 1
+def arrive(counter_ptr, n_members, RESET: tl.constexpr):
+    """Count this program in at a merge of n_members; True for the last arriver. With RESET the
+    last arriver also leaves the counter at zero for the next launch (or CUDA-graph replay);
+    without, the count stays for the programs that wait on it (``await_count``), and whoever
+    leaves the merge last zeroes it."""
+    return _count_arrival(counter_ptr, n_members, RESET) == n_members - 1
 
 
 @triton.jit
@@ -158,14 +163,14 @@ def _slot_of(p, out_start, total, n_active, LANES: tl.constexpr):
 
 
 @triton.jit
-def _ends_within(p, out_start, n_tiles, total, n_active, LANES: tl.constexpr):
+def ends_within(p, out_start, n_tiles, total, n_active, LANES: tl.constexpr):
     """Whether program p's range ends within the output of tiles [out_start, out_start + n_tiles):
     it has no tiles left once its part of the output is published."""
     return program_start(p + 1, total, n_active, LANES) <= out_start + n_tiles
 
 
 @triton.jit
-def _await_count(counter_ptr, target, POLLS: tl.constexpr):
+def await_count(counter_ptr, target, POLLS: tl.constexpr):
     """Whether the counter reaches ``target`` within POLLS reads: a program with no tiles left
     waits this long, and no longer, for a merge it can take column slices of. Programs need not
     run at the same time (the interpreter runs them one after another), so the wait is bounded
@@ -302,7 +307,7 @@ def finish_split(
 
     Level 1: each group of FANIN consecutive contributors (``schedule.merge_group_of``) is merged
     in column slices of COLS, once its last member arrives. That member claims slices until none
-    is left; members with no tiles left wait (``_await_count``) and claim slices beside it. With
+    is left; members with no tiles left wait (``await_count``) and claim slices beside it. With
     one group that gives the output; otherwise each group's result goes over its first member's
     slot, and the second level merges the groups' the same way, once every group is merged. Who
     merges a slice never changes its bits: every slice folds the same partials in the same order.
@@ -320,16 +325,16 @@ def finish_split(
     o_out = _slot_of(p_first, out_start, total, n_active, LANES)
     # One slice: nothing to share, so nobody waits, and each count is zeroed by its last arriver.
     SHARED: tl.constexpr = BLOCK_D // COLS > 1
-    idle = _ends_within(pid, out_start, n_tiles, total, n_active, LANES) & SHARED
+    idle = ends_within(pid, out_start, n_tiles, total, n_active, LANES) & SHARED
     arrived = _count_arrival(counter_ptr + _ARRIVED * region + o_group, g_size, not SHARED)
     owner = arrived == g_size - 1
     helps = owner
     if idle & (arrived < g_size - 1):
-        helps = _await_count(counter_ptr + _ARRIVED * region + o_group, g_size, POLLS)
+        helps = await_count(counter_ptr + _ARRIVED * region + o_group, g_size, POLLS)
     # The last contributor has tiles left unless the output ends where its range does; the others
     # have none and wait to take slices of their group's merge. Slices are claimed (an L2 round
     # trip each) unless the group's last arriver has no such member beside it.
-    last_busy = not _ends_within(p_last, out_start, n_tiles, total, n_active, LANES)
+    last_busy = not ends_within(p_last, out_start, n_tiles, total, n_active, LANES)
     busy_mate = (p_first + g_first + g_size - 1 == p_last) & (pid != p_last) & last_busy
     claims = ((g_size - 1 - busy_mate.to(tl.int32) > 0) | (arrived < g_size - 1)) & SHARED
     owner_out = arrived < 0
@@ -342,7 +347,7 @@ def finish_split(
         )  # fmt: skip
     helps_out = owner_out
     if idle & (n_groups > 1) & (owner_out == 0):
-        helps_out = _await_count(counter_ptr + _GROUPS_MERGED * region + o_out, n_groups, POLLS)
+        helps_out = await_count(counter_ptr + _GROUPS_MERGED * region + o_out, n_groups, POLLS)
     if helps_out:
         if not SHARED:
             tl.atomic_xchg(counter_ptr + _GROUPS_MERGED * region + o_out, 0, sem="relaxed", scope="gpu")

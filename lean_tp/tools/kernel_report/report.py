@@ -96,7 +96,7 @@ class KernelStats:
     wait_group: int
     sass_per_iter: int
     loop_spills: int
-    merge_wave: int  # partials the merge loads per loop iteration (one wave)
+    merge_wave: int  # partials the merge loads per loop iteration (one wave; SLICE_WAVE's slices where set)
     merge_sass_per_wave: int  # SASS instructions of one merge iteration (one wave of partials)
     merge_loads_per_wave: int  # L2 loads (.cg, SASS instructions) in one merge-loop iteration
     page_id_loads: int = 0  # block-table loads per thread in one K/V-loop iteration (paged only)
@@ -202,7 +202,7 @@ def compile_stats(
         kv_buffers(kernel.asm["ttgir"], variant.constexprs["BLOCK_N"]),
         max(waits, default=0),
         *kv_loop_of_sass(sass),
-        variant.constexprs["WAVE"],
+        variant.constexprs["SLICE_WAVE"] or variant.constexprs["WAVE"],
         *merge_loop_of_sass(sass),
         *page_id_timing(sass),
         kv_copy_bytes(sass),
