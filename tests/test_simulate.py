@@ -606,6 +606,22 @@ def test_the_invariant_variant_streams_at_its_own_blocks_rate():
     assert 1.9 <= two.time_us / one <= 2.1, (one, two.time_us)
 
 
+def test_the_invariant_output_fold_is_shared_in_column_slices(monkeypatch):
+    """MLA's 16 x 512 partials on a TP-8 rank, B=1 at 128k keys: the invariant mode's output of 64
+    supergroups is folded in 8 column slices by the program that makes the last known and the
+    contributors waiting beside it (``folds.finish_output``), against all 64 partials through one
+    SM's L2 port when one program folds them whole: under a third of that merge."""
+    from lean_tp.tools.simulate import schedules
+
+    problem = Problem((131072,), 16, 1, 576, elem_size=2, head_dim_v=512)
+    sliced = lean_sim_schedule(problem, H100, batch_invariant=True)
+    fold = schedules._invariant_merges
+    monkeypatch.setattr(schedules, "_invariant_merges", lambda *args: fold(*args[:6]))  # whole, by one program
+    whole = lean_sim_schedule(problem, H100, batch_invariant=True)
+    assert sliced.merge_us * 3 < whole.merge_us, (sliced.merge_us, whole.merge_us)
+    assert sliced.time_us - sliced.merge_us == pytest.approx(whole.time_us - whole.merge_us)
+
+
 def test_lean_mla_model_against_the_h200_record(monkeypatch):
     """Where MLA's K/V loop bounds lean (B=32: every SM busy), the model with the loop times of
     ``gpus.LOOP_US`` and ``gluon.GLUON_LOOP_US`` gives the H200 records' times of what runs within

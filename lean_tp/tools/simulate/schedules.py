@@ -286,12 +286,14 @@ def lean_sim_schedule(
     rows = variant.unit_tokens * (problem.n_heads // problem.n_kv_heads)
     partial = min(rows, cx["BLOCK_G"]) * (cx["BLOCK_D"] + 2) * 4
     plan = merge_plan(programs)
+    slices = cx["BLOCK_D"] // cx["MERGE_COLS"]
+    idle = {(p, segments[-1].slot) for p, segments in enumerate(programs) if segments}
     if batch_invariant:
-        end, chain = _invariant_merges(programs, seg_end, kv_end, partial, cx["WAVE"], gpu)
+        end, chain = _invariant_merges(
+            programs, seg_end, kv_end, partial, cx["WAVE"], gpu, idle, slices, cx["SLICE_WAVE"], config.merge_polls
+        )
         merge_bytes = chain * partial
     else:
-        slices = cx["BLOCK_D"] // cx["MERGE_COLS"]
-        idle = {(p, segments[-1].slot) for p, segments in enumerate(programs) if segments}
         end, chain, merge_bytes = _tree_merges(
             plan, idle, seg_end, kv_end, partial, cx["WAVE"], gpu, slices, config.merge_polls
         )
@@ -384,22 +386,41 @@ def _tree_merges(
 
 
 def _sliced_merge(
-    members: int, wave: int, partial: int, gpu: GPUModel, slices: int, mergers: int, claims: bool, output: bool
+    members: int,
+    wave: int,
+    partial: int,
+    gpu: GPUModel,
+    slices: int,
+    mergers: int,
+    claims: bool,
+    output: bool,
+    claim_ahead: bool = False,
 ) -> tuple[float, float]:
     """(time, partial bytes the busiest merger reads) of one merge of ``members`` partials in
     ``slices`` column slices over ``mergers`` programs: each slice one L2 round trip per wave of
     loads, its claim's (``claims``) and, in a group that is not the output, its count (then one more
     claim, which finds none left, before the second level); its share of the partials through the
-    merger's L2 port."""
+    merger's L2 port. ``claim_ahead``: each slice's claim goes out with the previous slice's loads
+    (``folds.finish_output``), so only the first is a round trip of its own."""
     counted = claims and not output
-    trips = math.ceil(members / wave) + claims + counted
+    trips = math.ceil(members / wave) + (claims and not claim_ahead) + counted
     rounds = math.ceil(slices / mergers)
     nbytes = rounds * members * partial / slices
-    return gpu.l2_latency_us * (rounds * trips + counted) + nbytes / (gpu.l2_port_gbps * 1e3), nbytes
+    first = claims and claim_ahead
+    return gpu.l2_latency_us * (rounds * trips + counted + first) + nbytes / (gpu.l2_port_gbps * 1e3), nbytes
 
 
 def _invariant_merges(
-    programs, seg_end: dict, kv_end: float, partial: int, wave: int, gpu: GPUModel
+    programs,
+    seg_end: dict,
+    kv_end: float,
+    partial: int,
+    wave: int,
+    gpu: GPUModel,
+    idle: set = frozenset(),
+    slices: int = 1,
+    slice_wave: int = 1,
+    polls: int = MERGE_POLLS,
 ) -> tuple[float, int]:
     """(end, longest chain of partials) of the batch-invariant mode's folds (``invariant.py``),
     each a left-to-right fold of ``wave`` partials loaded at once: one L2 round trip per wave, plus
@@ -409,13 +430,21 @@ def _invariant_merges(
     ``INVARIANT_SUPER_GROUPS`` groups when its groups are, then folded from the workspace; an output
     of several supergroups folds their values. A one-program output of one supergroup keeps its
     last group in registers and, after its K/V loop, folds the others from the workspace, where
-    its loop stored them; a supergroup of one split group is the value its last holder folded."""
+    its loop stored them; a supergroup of one split group is the value its last holder folded.
+    An output's supergroups, in ``slices`` column slices (``folds.finish_output``), are folded as
+    the default tree's second level is (``_sliced_merge``, ``slice_wave`` slices loaded at once):
+    by the program that makes the last known (taken as the holder that finishes last) and the
+    holders in ``idle`` (their segment is their program's last) still waiting for it (``polls``
+    reads of its count)."""
     pieces: dict[tuple[int, int], list[tuple[int, int, int, float]]] = {}
+    waits: dict[tuple[int, int], list[float]] = {}
     for p, segments in enumerate(programs):
         for s in segments:
             pieces.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, p, seg_end[(p, s.slot)]))
+            if (p, s.slot) in idle:
+                waits.setdefault((s.b, s.head_unit), []).append(seg_end[(p, s.slot)])
     end, chain = kv_end, 0
-    for held in pieces.values():
+    for unit, held in pieces.items():
         n = max(first + n_tiles for first, n_tiles, _, _ in held)
         if len(held) == 1 and n <= INVARIANT_GROUP_CHUNKS * INVARIANT_SUPER_GROUPS:
             stored = math.ceil(n / INVARIANT_GROUP_CHUNKS) - 1
@@ -445,7 +474,15 @@ def _invariant_merges(
             finish = held[0][3] + sum(r - held[0][3] for r, _ in supers)
         if len(supers) > 1:
             finish = max(finish, *(r for r, _ in supers)) + gpu.l2_latency_us
-            finish += _merge_level_us(len(supers), wave, partial, gpu, len(held) > 1)
+            if slices > 1:
+                shared = len(held) > 1
+                finish += gpu.l2_latency_us * shared  # the last count
+                waiting = [t for t in waits.get(unit, []) if finish - t <= polls * gpu.l2_latency_us] if shared else []
+                owner_idle = max(t for _, _, _, t in held) in waits.get(unit, [])
+                mergers = max(1, len(waiting) + (not owner_idle))
+                finish += _sliced_merge(len(supers), slice_wave, partial, gpu, slices, mergers, shared, True, True)[0]
+            else:
+                finish += _merge_level_us(len(supers), wave, partial, gpu, len(held) > 1)
             longest = max(c for _, c in supers) + len(supers)
         end, chain = max(end, finish), max(chain, longest)
     return end, chain
