@@ -21,7 +21,6 @@ import lean_tp
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import alloc_workspace, counters_size
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, plan_decode
-from lean_tp.ops.decode_attention.naive import decode_attention_ref
 from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS, DecodeConfig
 from lean_tp.ops.utils import interpreted
 
@@ -255,25 +254,6 @@ def test_invariance_over_shapes(head_dim, kv_heads, group, tq, lens, position, p
     out, lse = run(inputs, idx, programs)
     j = idx.index(0)
     assert_same_bits((out[j], lse[j]), (alone[0][0], alone[1][0]), f"batch {idx} on {programs} programs")
-
-
-def test_output_slices_claimed_elsewhere_are_left_to_their_claimer():
-    """An output of several supergroups is folded in column slices (``folds.finish_output``; 4
-    slices of 16 columns here), which on a GPU its contributors with no tiles left claim beside
-    the program that made its last supergroup known. A claim made before the launch stands for
-    such a contributor: the owner folds every other slice and leaves the claimed one (slice 0,
-    which stores the lse) unwritten, the rest match the reference, and the output's counters (its
-    count, claims and leavers) end at zero. Unclaimed, these folds are the invariance tests'."""
-    call = select(make_feature_inputs([2 * SUPER_KEYS + 60], 4, 1, 64, torch.float32, "paged16", seed=31), [0])
-    plan = plan_decode(**call, batch_invariant=True, num_programs=6, config=CONFIG)
-    assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["BLOCK_D"] == 64
-    counters = torch.zeros(counters_size(6), dtype=torch.int32)
-    counters[3 * 6] = 1  # slice 0, at the output's first holder (program 0)
-    out, lse = run_kernel(call, counters, batch_invariant=True, num_programs=6, config=CONFIG)
-    assert not counters.any(), "the output's fold left a counter set"
-    assert out[..., :16].isnan().all() and lse.isnan().all()
-    ref_out, _ = decode_attention_ref(**call)
-    torch.testing.assert_close(out[..., 16:].double(), ref_out[..., 16:], atol=2e-5, rtol=0)
 
 
 def test_the_default_mode_does_depend_on_the_batch():

@@ -232,3 +232,24 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
     torch.testing.assert_close(
         out[..., unwritten:].double(), ref_out[..., unwritten:], atol=ATOL[torch.float32], rtol=0
     )
+
+
+def test_output_fold_slices_claimed_elsewhere_are_left_to_their_claimer():
+    """The batch-invariant mode folds an output of several supergroups in column slices
+    (``folds.finish_output``; 1024-element waves: 4 slices of 16 columns), which on a GPU its
+    contributors with no tiles left claim beside the program that made its last supergroup known.
+    A claim made before the launch stands for such a contributor: the owner folds every other
+    slice and leaves the claimed one (slice 0, which stores the lse) unwritten, the rest match the
+    reference, and the output's counters (its count, claims and leavers) end at zero. Unclaimed,
+    those folds are the batch-invariant tests' (bitwise, every arrival order: above)."""
+    config = dataclasses.replace(CONFIG, merge_wave_elems=1024)
+    inputs = make_feature_inputs([1084], 4, 1, 64, torch.float32, "paged16", seed=31)  # 3 supergroups of 512 keys
+    plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=6, config=config, batch_invariant=True)
+    assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["SLICE_WAVE"] > 0
+    counters = torch.zeros(counters_size(6), dtype=torch.int32)
+    counters[3 * 6] = 1  # slice 0, at the output's first holder (program 0)
+    out, lse, counters = run(inputs, 6, True, config, counters)
+    assert (counters == 0).all(), "the output's fold left a counter set"
+    assert out[..., :16].isnan().all() and lse.isnan().all()
+    ref_out, _ = decode_attention_ref(**inputs)
+    torch.testing.assert_close(out[..., 16:].double(), ref_out[..., 16:], atol=ATOL[torch.float32], rtol=0)
