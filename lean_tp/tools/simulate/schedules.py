@@ -419,7 +419,7 @@ def _invariant_merges(
     gpu: GPUModel,
     idle: set = frozenset(),
     slices: int = 1,
-    slice_wave: int = 1,
+    slice_wave: int = 0,
     polls: int = MERGE_POLLS,
 ) -> tuple[float, int]:
     """(end, longest chain of partials) of the batch-invariant mode's folds (``invariant.py``),
@@ -431,11 +431,11 @@ def _invariant_merges(
     of several supergroups folds their values. A one-program output of one supergroup keeps its
     last group in registers and, after its K/V loop, folds the others from the workspace, where
     its loop stored them; a supergroup of one split group is the value its last holder folded.
-    An output's supergroups, in ``slices`` column slices (``folds.finish_output``), are folded as
-    the default tree's second level is (``_sliced_merge``, ``slice_wave`` slices loaded at once):
-    by the program that makes the last known (taken as the holder that finishes last) and the
-    holders in ``idle`` (their segment is their program's last) still waiting for it (``polls``
-    reads of its count)."""
+    Where ``slice_wave`` (the plan's SLICE_WAVE) is set, an output's supergroups are folded in
+    ``slices`` column slices (``folds.finish_output``) as the default tree's second level is merged
+    (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
+    known (taken as the holder that finishes last) and the holders in ``idle`` (their segment is
+    their program's last) still waiting for it (``polls`` reads of its count)."""
     pieces: dict[tuple[int, int], list[tuple[int, int, int, float]]] = {}
     waits: dict[tuple[int, int], list[float]] = {}
     for p, segments in enumerate(programs):
@@ -474,11 +474,11 @@ def _invariant_merges(
             finish = held[0][3] + sum(r - held[0][3] for r, _ in supers)
         if len(supers) > 1:
             finish = max(finish, *(r for r, _ in supers)) + gpu.l2_latency_us
-            if slices > 1:
-                shared = len(held) > 1
+            if slice_wave:
+                shared, waiters = len(held) > 1, waits.get(unit, [])
                 finish += gpu.l2_latency_us * shared  # the last count
-                waiting = [t for t in waits.get(unit, []) if finish - t <= polls * gpu.l2_latency_us] if shared else []
-                owner_idle = max(t for _, _, _, t in held) in waits.get(unit, [])
+                waiting = [t for t in waiters if finish - t <= polls * gpu.l2_latency_us] if shared else []
+                owner_idle = max(t for _, _, _, t in held) in waiters
                 mergers = max(1, len(waiting) + (not owner_idle))
                 finish += _sliced_merge(len(supers), slice_wave, partial, gpu, slices, mergers, shared, True, True)[0]
             else:
