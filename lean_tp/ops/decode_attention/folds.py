@@ -309,7 +309,9 @@ def finish_output(
             if shared:
                 k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
             while k < BLOCK_D // COLS:
-                # The next claim is made before this slice's loads, so that their round trips overlap.
+                # The next claim is made before this slice's fold; its result is broadcast through
+                # shared memory before the slice's loads (SASS: BAR.SYNC after the ATOMG), so its
+                # round trip does not overlap them.
                 nxt = k + 1
                 if shared:
                     nxt = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")

@@ -386,28 +386,18 @@ def _tree_merges(
 
 
 def _sliced_merge(
-    members: int,
-    wave: int,
-    partial: int,
-    gpu: GPUModel,
-    slices: int,
-    mergers: int,
-    claims: bool,
-    output: bool,
-    claim_ahead: bool = False,
+    members: int, wave: int, partial: int, gpu: GPUModel, slices: int, mergers: int, claims: bool, output: bool
 ) -> tuple[float, float]:
     """(time, partial bytes the busiest merger reads) of one merge of ``members`` partials in
     ``slices`` column slices over ``mergers`` programs: each slice one L2 round trip per wave of
     loads, its claim's (``claims``) and, in a group that is not the output, its count (then one more
     claim, which finds none left, before the second level); its share of the partials through the
-    merger's L2 port. ``claim_ahead``: each slice's claim goes out with the previous slice's loads
-    (``folds.finish_output``), so only the first is a round trip of its own."""
+    merger's L2 port."""
     counted = claims and not output
-    trips = math.ceil(members / wave) + (claims and not claim_ahead) + counted
+    trips = math.ceil(members / wave) + claims + counted
     rounds = math.ceil(slices / mergers)
     nbytes = rounds * members * partial / slices
-    first = claims and claim_ahead
-    return gpu.l2_latency_us * (rounds * trips + counted + first) + nbytes / (gpu.l2_port_gbps * 1e3), nbytes
+    return gpu.l2_latency_us * (rounds * trips + counted) + nbytes / (gpu.l2_port_gbps * 1e3), nbytes
 
 
 def _invariant_merges(
@@ -480,7 +470,7 @@ def _invariant_merges(
                 waiting = [t for t in waiters if finish - t <= polls * gpu.l2_latency_us] if shared else []
                 owner_idle = max(t for _, _, _, t in held) in waiters
                 mergers = max(1, len(waiting) + (not owner_idle))
-                finish += _sliced_merge(len(supers), slice_wave, partial, gpu, slices, mergers, shared, True, True)[0]
+                finish += _sliced_merge(len(supers), slice_wave, partial, gpu, slices, mergers, shared, True)[0]
             else:
                 finish += _merge_level_us(len(supers), wave, partial, gpu, len(held) > 1)
             longest = max(c for _, c in supers) + len(supers)
