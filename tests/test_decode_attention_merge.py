@@ -17,6 +17,7 @@ import triton.runtime.interpreter as interpreter
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 from lean_tp.ops.decode_attention.cache import CacheLayout
+from lean_tp.ops.decode_attention.folds import _GROUP_CLAIMED, _GROUP_MERGED, _OUT_CLAIMED
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
@@ -234,22 +235,40 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
     )
 
 
-def test_output_fold_slices_claimed_elsewhere_are_left_to_their_claimer():
-    """The batch-invariant mode folds an output of several supergroups in column slices
-    (``folds.finish_output``; 1024-element waves: 4 slices of 16 columns), which on a GPU its
-    contributors with no tiles left claim beside the program that made its last supergroup known.
-    A claim made before the launch stands for such a contributor: the owner folds every other
-    slice and leaves the claimed one (slice 0, which stores the lse) unwritten, the rest match the
-    reference, and the output's counters (its count, claims and leavers) end at zero. Unclaimed,
-    those folds are the batch-invariant tests' (bitwise, every arrival order: above)."""
+@pytest.mark.parametrize("level", ["group", "output"])
+def test_invariant_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
+    """The batch-invariant mode folds a split group's chunks and an output of several supergroups
+    in column slices (``folds.finish_group``, ``folds.finish_output``; 1024-element waves: 4 slices
+    of 16 columns), which on a GPU the holders with no tiles left claim beside the program that
+    made the last member known. A claim made before the launch stands for such a holder:
+    - at the output, slice 0 (which stores the lse) claimed at its first holder (program 0): the
+      owner folds every other slice and leaves slice 0's columns and the lse unwritten;
+    - at every split group (counters at each holder but the last), slice 0 claimed and counted as
+      folded: every other slice and the group's m and l are stored, the group is known, and the
+      claimed columns, never written in the NaN-filled workspace, reach the output as NaN while
+      the lse is exact.
+    The rest match the reference, and every counter ends at zero. Unclaimed, those folds are the
+    batch-invariant tests' (bitwise, every arrival order: above)."""
     config = dataclasses.replace(CONFIG, merge_wave_elems=1024)
+    # 68 chunks of 16 keys over 24 programs: each group's 8 chunks are held by 3 or 4 programs
+    # (``tuning.INVARIANT_SLICE_HOLDERS``).
+    P = 24
     inputs = make_feature_inputs([1084], 4, 1, 64, torch.float32, "paged16", seed=31)  # 3 supergroups of 512 keys
-    plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=6, config=config, batch_invariant=True)
+    plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=P, config=config, batch_invariant=True)
     assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["SLICE_WAVE"] > 0
-    counters = torch.zeros(counters_size(6), dtype=torch.int32)
-    counters[3 * 6] = 1  # slice 0, at the output's first holder (program 0)
-    out, lse, counters = run(inputs, 6, True, config, counters)
-    assert (counters == 0).all(), "the output's fold left a counter set"
-    assert out[..., :16].isnan().all() and lse.isnan().all()
-    ref_out, _ = decode_attention_ref(**inputs)
+    counters = torch.zeros(counters_size(P), dtype=torch.int32)
+    if level == "output":
+        counters[_OUT_CLAIMED.value * P] = 1
+    else:  # at every holder but the last: a split group's counters are at its first holder
+        last = sum(bool(segments) for segments in lean_schedule(inputs["cache_seqlens"], 1, TILE, P)) - 1
+        counters[_GROUP_CLAIMED.value * P : _GROUP_CLAIMED.value * P + last] = 1
+        counters[_GROUP_MERGED.value * P : _GROUP_MERGED.value * P + last] = 1
+    out, lse, counters = run(inputs, P, True, config, counters)
+    assert (counters == 0).all(), "a fold left a counter set"
+    assert out[..., :16].isnan().all()
+    ref_out, ref_lse = decode_attention_ref(**inputs)
     torch.testing.assert_close(out[..., 16:].double(), ref_out[..., 16:], atol=ATOL[torch.float32], rtol=0)
+    if level == "output":
+        assert lse.isnan().all()
+    else:
+        torch.testing.assert_close(lse.double(), ref_lse, atol=ATOL[torch.float32], rtol=0)

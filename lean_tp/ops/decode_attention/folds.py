@@ -1,15 +1,40 @@
 """The batch-invariant mode's folds across programs (invariant.py defines the fold): a split
 group's chunks, a supergroup's groups and an output's supergroups, each folded left to right from
-the workspace by the last program to make a member known; an output's supergroups in column slices
-that the contributors with no tiles left share (``finish_output``)."""
+the workspace by the last program to make a member known; where the plan says so (SLICE_WAVE), a
+group's chunks (``finish_group``) and an output's supergroups (``finish_output``) in column slices
+that the holders with no tiles left share."""
 
 import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.chunks import empty_state, fold_pair
-from lean_tp.ops.decode_attention.merge import arrive, await_count, ends_within, load_partial, store_partial
+from lean_tp.ops.decode_attention.merge import (
+    arrive,
+    await_count,
+    ends_within,
+    load_partial,
+    store_cols,
+    store_ml,
+    store_partial,
+)
 from lean_tp.ops.decode_attention.rows import store_output, unit_cols
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
+from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS
+
+# The counters' regions (num_programs each, invariant.py), indexed by a fold's first holder: a
+# split group's arrivals, claimed column slices and slices folded; a split supergroup's arrivals; a
+# split output's supergroups known, claimed column slices and contributors gone
+# (``launch_args.counters_size`` allocates them).
+_GROUP_ARRIVED = tl.constexpr(0)
+_OUT_KNOWN = tl.constexpr(1)
+_SUPER_ARRIVED = tl.constexpr(2)
+_OUT_CLAIMED = tl.constexpr(3)
+_OUT_LEFT = tl.constexpr(4)
+_GROUP_CLAIMED = tl.constexpr(5)
+_GROUP_MERGED = tl.constexpr(6)
+INVARIANT_REGIONS = 7
+_REGIONS = tl.constexpr(INVARIANT_REGIONS)
+_SLICE_HOLDERS = tl.constexpr(INVARIANT_SLICE_HOLDERS)
 
 
 @triton.jit
@@ -110,7 +135,7 @@ def group_known(
     s_done = single
     if k1 - k0 > 1:
         s_done = _count_in(
-            counter_ptr + 2 * num_programs,
+            counter_ptr + _SUPER_ARRIVED * num_programs,
             out_start + k0 * IGROUP,
             t_end - 1,
             k1 - k0,
@@ -135,7 +160,7 @@ def group_known(
             s = k // ISUPER
             store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + s, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
             last = _count_in(
-                counter_ptr + num_programs,
+                counter_ptr + _OUT_KNOWN * num_programs,
                 out_start,
                 out_start + n_tiles - 1,
                 n_supers,
@@ -165,24 +190,78 @@ def _fold_group(
     total,
     n_active,
     n_rows,
+    c0,
     BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     IGROUP: tl.constexpr,
+    COLS: tl.constexpr,
     WAVE: tl.constexpr,
 ):
-    """Value of the group of chunks [g0, g1) (linear tile indices) that several programs hold: the
-    first holder's fold of its chunks, then each later chunk from its holder's slot, in order."""
+    """Columns [c0, c0 + COLS) of the value of the group of chunks [g0, g1) (linear tile indices)
+    that several programs hold: the first holder's fold of its chunks, then each later chunk from
+    its holder's slot, in order."""
     p = program_of_tile(g0, total, n_active, 1)
-    acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D)
-    for t0 in range(program_start(p + 1, total, n_active, 1), g1, WAVE):
-        for w in tl.static_range(WAVE):  # a wave of chunks, as in fold_slots
+    acc, m, l = load_partial(ws_acc_ptr, ws_ml_ptr, p * IGROUP + IGROUP - 1, n_rows, c0, BLOCK_D, BLOCK_G, COLS)
+    W: tl.constexpr = WAVE if WAVE < IGROUP else IGROUP
+    for t0 in range(program_start(p + 1, total, n_active, 1), g1, W):
+        for w in tl.static_range(W):  # a wave of chunks, as in fold_slots
             t = t0 + w
             holder = program_of_tile(t, total, n_active, 1)
             o_slot = holder * IGROUP + t - program_start(holder, total, n_active, 1)
             rows = tl.where(t < g1, n_rows, 0)
-            c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, 0, BLOCK_D, BLOCK_G, BLOCK_D)
+            c_acc, c_m, c_l = load_partial(ws_acc_ptr, ws_ml_ptr, o_slot, rows, c0, BLOCK_D, BLOCK_G, COLS)
             acc, m, l = fold_pair(acc, m, l, c_acc, c_m, c_l)
     return acc, m, l
+
+
+@triton.jit
+def _fold_group_slices(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    counter_ptr,
+    owner,
+    pid,
+    g0,
+    g1,
+    p_first,
+    n_members,
+    o_slot,
+    total,
+    n_active,
+    num_programs,
+    n_rows,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    IGROUP: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    POLLS: tl.constexpr,
+):
+    """Fold a split group's value in column slices into slot o_slot: its last holder to arrive
+    (``owner``) claims slices until none is left, and its holders with no tiles past it wait for
+    the count (``merge.await_count``) and claim slices beside it. Whoever folds the last slice
+    stores the value's m and l (every slice's are the same) and returns True: the value is known."""
+    arrived = counter_ptr + _GROUP_ARRIVED * num_programs + p_first
+    helps = owner
+    if (owner == 0) & ends_within(pid, g0, g1 - g0, total, n_active, 1):
+        helps = await_count(arrived, n_members, POLLS)
+    known = False
+    if helps:
+        claimed = counter_ptr + _GROUP_CLAIMED * num_programs + p_first
+        k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+        while k < BLOCK_D // COLS:
+            c0 = k * COLS
+            acc, m, l = _fold_group(
+                ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, c0, BLOCK_D, BLOCK_G, IGROUP, COLS, SLICE_WAVE
+            )
+            store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D, BLOCK_G)
+            tl.debug_barrier()  # every thread's stores of the slice before the count
+            merged = tl.atomic_add(counter_ptr + _GROUP_MERGED * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
+            if merged == BLOCK_D // COLS - 1:
+                store_ml(ws_ml_ptr, o_slot, n_rows, m, l, BLOCK_G)
+                known = True
+            k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+    return known
 
 
 @triton.jit
@@ -190,6 +269,7 @@ def finish_group(
     ws_acc_ptr,
     ws_ml_ptr,
     counter_ptr,
+    pid,
     k,
     out_start,
     n_tiles,
@@ -204,31 +284,52 @@ def finish_group(
     IGROUP: tl.constexpr,
     ISUPER: tl.constexpr,
     WAVE: tl.constexpr,
-    SLICED: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    POLLS: tl.constexpr,
 ):
     """Count this program in at group k of a split output, after publishing its chunks of it; the
-    last holder to arrive folds the group and makes its value known (``group_known``). Returns
-    (whether this program finished the output, whether it owns the output's fold, and the output's
-    state when it finished it)."""
+    last holder to arrive folds the group, whole or, where the plan folds in column slices
+    (SLICE_WAVE) and the group has INVARIANT_SLICE_HOLDERS holders or more (tuning.py), in slices
+    its idle holders share (``_fold_group_slices``), and makes its value known (``group_known``). Returns (whether this program finished the output, whether it owns
+    the output's fold, and the output's state when it finished it)."""
+    SLICED: tl.constexpr = SLICE_WAVE > 0
     g0 = out_start + k * IGROUP
     g1 = tl.minimum(g0 + IGROUP, out_start + n_tiles)
     p_first = program_of_tile(g0, total, n_active, 1)
+    n_members = program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1
+    # In a sliced kernel the count stays for the holders that wait on it; the output's last
+    # leaver zeroes it.
+    last = _count_in(
+        counter_ptr + _GROUP_ARRIVED * num_programs, g0, g1 - 1, n_members, total, n_active, False, not SLICED
+    )
+    whole = last
+    held = True
+    if SLICED:
+        sliced = n_members >= _SLICE_HOLDERS
+        whole = last & (sliced == 0)
+        held = whole
+        if sliced:
+            last = _fold_group_slices(
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, last, pid, g0, g1, p_first, n_members, slot0 + k, total,
+                n_active, num_programs, n_rows, BLOCK_D, BLOCK_G, IGROUP, COLS, SLICE_WAVE, POLLS,
+            )  # fmt: skip
+    g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
+    if whole:
+        g_acc, g_m, g_l = _fold_group(
+            ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, 0, BLOCK_D, BLOCK_G, IGROUP, BLOCK_D, WAVE
+        )
+        store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
     done = False
     owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
-    if _count_in(
-        counter_ptr, g0, g1 - 1, program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1, total, n_active, False, True
-    ):
-        g_acc, g_m, g_l = _fold_group(
-            ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, BLOCK_D, BLOCK_G, IGROUP, WAVE
-        )
-        store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
+    if last:
         done, owner, acc, m, l = group_known(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
             k,
-            True,
+            held,
             g_acc,
             g_m,
             g_l,
@@ -291,15 +392,16 @@ def finish_output(
     loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
     with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
     slice folds the same values in the same order, so who folds it never changes its bits. Where
-    several programs hold the output, each counts itself out here, and the last zeroes the
-    output's counters (its count, claims and leavers) for the next launch (or CUDA-graph replay)."""
+    several programs hold the output (of any number of supergroups), each counts itself out here,
+    and the last zeroes the counters of the output and of its groups and supergroups
+    (``_zero_counters``) for the next launch (or CUDA-graph replay)."""
     n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    p_first = program_of_tile(out_start, total, n_active, 1)
+    p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
+    shared = p_first != p_last
     if n_supers > 1:
-        p_first = program_of_tile(out_start, total, n_active, 1)
-        p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
-        shared = p_first != p_last
-        known = counter_ptr + num_programs + p_first
-        claimed = counter_ptr + 3 * num_programs + p_first
+        known = counter_ptr + _OUT_KNOWN * num_programs + p_first
+        claimed = counter_ptr + _OUT_CLAIMED * num_programs + p_first
         helps = owner
         if shared & (owner == 0) & ends_within(pid, out_start, n_tiles, total, n_active, 1):
             helps = await_count(known, n_supers, POLLS)
@@ -309,12 +411,6 @@ def finish_output(
             if shared:
                 k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
             while k < BLOCK_D // COLS:
-                # The next claim is made before this slice's fold; its result is broadcast through
-                # shared memory before the slice's loads (SASS: BAR.SYNC after the ATOMG), so its
-                # round trip does not overlap them.
-                nxt = k + 1
-                if shared:
-                    nxt = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
                 c0 = k * COLS
                 acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, first, n_supers, n_rows, c0, BLOCK_D, BLOCK_G, COLS,
                                        SLICE_WAVE, SLICE_WAVE)  # fmt: skip
@@ -322,10 +418,24 @@ def finish_output(
                     out_ptr, lse_ptr, sinks_ptr, s, hu, acc, m, l, unit_cols(hu, NUM_VC, BLOCK_D) + c0, HQ,
                     GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
                 )  # fmt: skip
-                k = nxt
-        if shared:
-            left = counter_ptr + 4 * num_programs + p_first
-            if tl.atomic_add(left, 1, sem="acq_rel", scope="gpu") == p_last - p_first:
-                tl.atomic_xchg(known, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(claimed, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(left, 0, sem="relaxed", scope="gpu")
+                k += 1
+                if shared:
+                    k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+    if shared:
+        if (
+            tl.atomic_add(counter_ptr + _OUT_LEFT * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
+            == p_last - p_first
+        ):
+            _zero_counters(counter_ptr, p_first, p_last, num_programs)
+
+
+@triton.jit
+def _zero_counters(counter_ptr, p_first, p_last, num_programs):
+    """Zero the counters of an output that programs [p_first, p_last] share, for the next launch (or
+    CUDA-graph replay): every region at p_first .. p_last - 1, where its split groups and
+    supergroups and the output itself keep them (invariant.py). Nobody touches them once every
+    contributor has left; p_last's belong to the output its range goes on to, if any."""
+    for p0 in range(p_first, p_last, 64):
+        o_p = p0 + tl.arange(0, 64)
+        for region in tl.static_range(_REGIONS):
+            tl.store(counter_ptr + region * num_programs + o_p, 0, mask=o_p < p_last)

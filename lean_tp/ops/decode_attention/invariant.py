@@ -20,13 +20,16 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   sequence, schedule.py): the output's group k's value at + k, supergroup s's at + max_groups + s
   (an output of one supergroup that one program holds keeps its last group in registers, and
   that program folds the others from their slots).
-An output of several supergroups is folded in column slices, shared by its contributors with no
-tiles left (``folds.finish_output``). Counters, at a fold's first holder p (a program's range ends
-in at most one group, supergroup and output that go on past it): a split group's at p, a split
-output's known supergroups at num_programs + p, its claimed column slices at 3 num_programs + p and
-its contributors gone at 4 num_programs + p, a split supergroup's at 2 num_programs + p. A
-supergroup or output that one program holds needs none: its values are known in order, in that
-program.
+Where the plan folds in column slices (SLICE_WAVE), a group held by INVARIANT_SLICE_HOLDERS
+programs or more and an output of several supergroups are folded in column slices that their
+holders with no tiles left share (``folds.finish_group``, ``folds.finish_output``). Counters
+(``folds``' regions of num_programs each), at a fold's first holder p (a program's range ends in at
+most one group, supergroup and output that go on past it): a split group's arrivals, claimed
+slices and folded slices; a split supergroup's arrivals; a split output's known supergroups,
+claimed slices and contributors gone. A supergroup or output that one program holds needs none:
+its values are known in order, in that program. In a sliced kernel every contributor of a split
+output counts itself out, and the last zeroes the output's counters and its groups' and
+supergroups' (``folds._zero_counters``); elsewhere each count is zeroed by its last arriver.
 """
 
 import triton
@@ -98,14 +101,18 @@ def attend_invariant(
     V_IN_K: tl.constexpr,
     SCORES_T: tl.constexpr,
     WAVE: tl.constexpr,
-    SLICED: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    POLLS: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of the output of head
-    unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
-    real rows): each chunk attended from a fresh state and folded as this module's docstring
-    fixes; SLICED: an output's supergroups are folded in column slices (``folds.finish_output``).
-    Returns (whether this program finishes the output, whether it owns the output's sliced fold,
-    and the output's state when it finishes it)."""
+        unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
+        real rows): each chunk attended from a fresh state and folded as this module's docstring
+        fixes; where SLICE_WAVE is set, a split group's chunks and an output's supergroups are folded in
+    column slices of COLS (``folds.finish_group``, ``folds.finish_output``).
+        Returns (whether this program finishes the output, whether it owns the output's sliced fold,
+        and the output's state when it finishes it)."""
+    SLICED: tl.constexpr = SLICE_WAVE > 0
     # An output of one supergroup that this program holds whole is folded by it, with no count.
     whole = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
     stop = tile + seg_n
@@ -216,6 +223,7 @@ def attend_invariant(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
+            pid,
             tile // IGROUP,
             out_start,
             n_tiles,
@@ -230,7 +238,9 @@ def attend_invariant(
             IGROUP,
             ISUPER,
             WAVE,
-            SLICED,
+            COLS,
+            SLICE_WAVE,
+            POLLS,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
         owner = owner | f_owner
@@ -241,6 +251,7 @@ def attend_invariant(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
+            pid,
             stop // IGROUP,
             out_start,
             n_tiles,
@@ -255,7 +266,9 @@ def attend_invariant(
             IGROUP,
             ISUPER,
             WAVE,
-            SLICED,
+            COLS,
+            SLICE_WAVE,
+            POLLS,
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
         owner = owner | f_owner

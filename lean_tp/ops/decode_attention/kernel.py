@@ -177,8 +177,9 @@ def decode_attention_fwd_kernel(
     # column blocks (NUM_VC = 2): there q (BLOCK_G x 576, 144 registers a thread at 128 rows) would
     # be live beside the accumulator (128), which spills.
     Q_AHEAD: tl.constexpr = NUM_VC == 1
-    # The batch-invariant fold of an output's supergroups goes in column slices (``plan``'s
-    # SLICE_WAVE, ``folds.finish_output``), else whole, by the program that makes the last known.
+    # The batch-invariant folds of a split group's chunks and of an output's supergroups go in
+    # column slices (``plan``'s SLICE_WAVE, ``folds.finish_group`` and ``folds.finish_output``),
+    # else whole, by the program that makes the last member known.
     FOLD_SLICED: tl.constexpr = SLICE_WAVE > 0
     pid = tl.program_id(0)
     HU = HKV * NUM_GC
@@ -280,7 +281,9 @@ def decode_attention_fwd_kernel(
                 V_IN_K,
                 SCORES_T,
                 WAVE,
-                FOLD_SLICED,
+                MERGE_COLS,
+                SLICE_WAVE,
+                MERGE_POLLS,
             )
         else:
             b_acc, b_m, b_l = attend_segment(

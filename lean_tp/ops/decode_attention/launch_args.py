@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lean_tp.ops.decode_attention.cache import valid_keys
+from lean_tp.ops.decode_attention.folds import INVARIANT_REGIONS
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.merge import COUNTER_REGIONS
 from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, DecodePlan
@@ -149,8 +150,9 @@ def token_lengths(lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def counters_size(num_programs: int) -> int:
     """Merge counters of a grid: ``merge.COUNTER_REGIONS`` regions of one per workspace slot
-    (indexed by a group's or an output's first contributor's slot)."""
-    return COUNTER_REGIONS * 2 * num_programs
+    (indexed by a group's or an output's first contributor's slot), which also hold the
+    batch-invariant mode's ``folds.INVARIANT_REGIONS`` of one per program."""
+    return max(COUNTER_REGIONS * 2, INVARIANT_REGIONS) * num_programs
 
 
 def alloc_workspace(

@@ -124,7 +124,7 @@ def _count_arrival(counter_ptr, n_members, RESET: tl.constexpr):
 
 
 @triton.jit
-def _store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+def store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
     """Write columns [c0, c0 + COLS) of rows [0, n_rows) of a partial's acc (acc [BLOCK_G, COLS])
     to workspace slot o_slot (``store_partial`` writes all of them, and m and l)."""
     o_g = tl.arange(0, BLOCK_G)
@@ -134,7 +134,7 @@ def _store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _store_ml(ws_ml_ptr, o_slot, n_rows, b_m, b_l, BLOCK_G: tl.constexpr):
+def store_ml(ws_ml_ptr, o_slot, n_rows, b_m, b_l, BLOCK_G: tl.constexpr):
     """Write a partial's m and l ([BLOCK_G]) to workspace slot o_slot."""
     o_g = tl.arange(0, BLOCK_G)
     o_ml = tl.cast(o_slot, tl.int64) * 2 * BLOCK_G + o_g
@@ -247,13 +247,13 @@ def _merge_slices(
                 GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
             )  # fmt: skip
         else:
-            _store_cols(ws_acc_ptr, o_group, n_rows, acc, c0, BLOCK_D, BLOCK_G)
+            store_cols(ws_acc_ptr, o_group, n_rows, acc, c0, BLOCK_D, BLOCK_G)
             tl.debug_barrier()
             merged = k
             if claims:
                 merged = tl.atomic_add(counter_ptr + _MERGED * region + o_group, 1, sem="acq_rel", scope="gpu")
             if merged == n_slices - 1:
-                _store_ml(ws_ml_ptr, o_group, n_rows, b_m, b_l, BLOCK_G)
+                store_ml(ws_ml_ptr, o_group, n_rows, b_m, b_l, BLOCK_G)
                 tl.debug_barrier()
                 groups = tl.atomic_add(counter_ptr + _GROUPS_MERGED * region + o_out, 1, sem="acq_rel", scope="gpu")
                 owner_out = groups == n_groups - 1

@@ -36,7 +36,12 @@ from lean_tp.ops.decode_attention import Features, KernelVariant, lean_schedule
 from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import merge_plan
 from lean_tp.ops.decode_attention.plan import is_one_sequence
-from lean_tp.ops.decode_attention.tuning import INVARIANT_GROUP_CHUNKS, INVARIANT_SUPER_GROUPS, MERGE_POLLS
+from lean_tp.ops.decode_attention.tuning import (
+    INVARIANT_GROUP_CHUNKS,
+    INVARIANT_SLICE_HOLDERS,
+    INVARIANT_SUPER_GROUPS,
+    MERGE_POLLS,
+)
 from lean_tp.tools.gpus import GPUModel, loop_us
 from lean_tp.tools.simulate.l2 import Read, chunk_reads, hbm_share
 from lean_tp.tools.simulate.problems import Problem
@@ -425,17 +430,19 @@ def _invariant_merges(
     ``slices`` column slices (``folds.finish_output``) as the default tree's second level is merged
     (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
     known (taken as the holder that finishes last) and the holders in ``idle`` (their segment is
-    their program's last) still waiting for it (``polls`` reads of its count)."""
-    pieces: dict[tuple[int, int], list[tuple[int, int, int, float]]] = {}
+    their program's last) still waiting for it (``polls`` reads of its count); a split group's
+    chunks the same way (``_group_ready``)."""
+    pieces: dict[tuple[int, int], list[tuple[int, int, int, float, bool]]] = {}
     waits: dict[tuple[int, int], list[float]] = {}
     for p, segments in enumerate(programs):
         for s in segments:
-            pieces.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, p, seg_end[(p, s.slot)]))
-            if (p, s.slot) in idle:
+            last = (p, s.slot) in idle
+            pieces.setdefault((s.b, s.head_unit), []).append((s.first_tile, s.n_tiles, p, seg_end[(p, s.slot)], last))
+            if last:
                 waits.setdefault((s.b, s.head_unit), []).append(seg_end[(p, s.slot)])
     end, chain = kv_end, 0
     for unit, held in pieces.items():
-        n = max(first + n_tiles for first, n_tiles, _, _ in held)
+        n = max(first + n_tiles for first, n_tiles, *_ in held)
         if len(held) == 1 and n <= INVARIANT_GROUP_CHUNKS * INVARIANT_SUPER_GROUPS:
             stored = math.ceil(n / INVARIANT_GROUP_CHUNKS) - 1
             if stored:  # the stored groups' round trip, then their loads
@@ -443,14 +450,14 @@ def _invariant_merges(
                 end, chain = max(end, finish), max(chain, stored + 1)
             continue
         groups = [
-            _group_ready(held, g0, min(g0 + INVARIANT_GROUP_CHUNKS, n), partial, wave, gpu)
+            _group_ready(held, g0, min(g0 + INVARIANT_GROUP_CHUNKS, n), partial, wave, gpu, slices, slice_wave, polls)
             for g0 in range(0, n, INVARIANT_GROUP_CHUNKS)
         ]
         supers = []
         for k0 in range(0, len(groups), INVARIANT_SUPER_GROUPS):
             members = groups[k0 : k0 + INVARIANT_SUPER_GROUPS]
             t0, t1 = k0 * INVARIANT_GROUP_CHUNKS, min((k0 + len(members)) * INVARIANT_GROUP_CHUNKS, n)
-            counted = len({p for first, n_tiles, p, _ in held if first < t1 and first + n_tiles > t0}) > 1
+            counted = len({p for first, n_tiles, p, *_ in held if first < t1 and first + n_tiles > t0}) > 1
             ready = max(r for r, _ in members)
             if len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
                 # The groups' values are stored, then loaded: one more L2 trip, as the default
@@ -468,7 +475,7 @@ def _invariant_merges(
                 shared, waiters = len(held) > 1, waits.get(unit, [])
                 finish += gpu.l2_latency_us * shared  # the last count
                 waiting = [t for t in waiters if finish - t <= polls * gpu.l2_latency_us] if shared else []
-                owner_idle = max(t for _, _, _, t in held) in waiters
+                owner_idle = max(t for _, _, _, t, _ in held) in waiters
                 mergers = max(1, len(waiting) + (not owner_idle))
                 finish += _sliced_merge(len(supers), slice_wave, partial, gpu, slices, mergers, shared, True)[0]
             else:
@@ -478,14 +485,32 @@ def _invariant_merges(
     return end, chain
 
 
-def _group_ready(held: list, g0: int, g1: int, partial: int, wave: int, gpu: GPUModel) -> tuple[float, int]:
+def _group_ready(
+    held: list,
+    g0: int,
+    g1: int,
+    partial: int,
+    wave: int,
+    gpu: GPUModel,
+    slices: int = 1,
+    slice_wave: int = 0,
+    polls: int = MERGE_POLLS,
+) -> tuple[float, int]:
     """(time, chain of partials) at which the value of the group of chunks [g0, g1) is known:
     its holders' segments end; with several holders, its last holder then folds the first
-    holder's fold and each later chunk."""
+    holder's fold and each later chunk: whole, or, where ``slice_wave`` (the plan's SLICE_WAVE) is
+    set, in ``slices`` column slices (``folds.finish_group``) shared with the holders whose segment
+    is their program's last and ends in the group, still waiting (``polls`` reads of its count),
+    after its arrival's count."""
     own = sorted(x for x in held if x[0] < g1 and x[0] + x[1] > g0)
-    ready = max(t for _, _, _, t in own)
+    ready = max(x[3] for x in own)
     loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
-    if loads:
+    if loads and slice_wave and len({x[2] for x in own}) >= INVARIANT_SLICE_HOLDERS:
+        owner, wait = max(own, key=lambda x: x[3]), polls * gpu.l2_latency_us
+        helpers = [x for x in own if x is not owner and x[4] and x[0] + x[1] <= g1 and ready - x[3] <= wait]
+        mergers = 1 + len(helpers)
+        ready += gpu.l2_latency_us + _sliced_merge(loads, slice_wave, partial, gpu, slices, mergers, True, False)[0]
+    elif loads:
         ready += _merge_level_us(loads, wave, partial, gpu)
     return ready, loads
 
