@@ -17,7 +17,7 @@ import triton.runtime.interpreter as interpreter
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 from lean_tp.ops.decode_attention.cache import CacheLayout
-from lean_tp.ops.decode_attention.folds import _GROUP_CLAIMED, _GROUP_MERGED, _OUT_CLAIMED
+from lean_tp.ops.decode_attention.folds import GROUP_CLAIMED, GROUP_MERGED, OUT_CLAIMED
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
@@ -159,7 +159,7 @@ def test_result_does_not_depend_on_arrival_order(arrival_order, batch_invariant)
     and out and lse are bitwise equal."""
     # Two query tokens in the default mode (the merge of multi-token rows); the invariant mode folds
     # each token's output alone, so one token shows its folds, and in 1024-element waves its
-    # outputs' supergroups are folded in 4 column slices (``folds.finish_output``).
+    # outputs' supergroups are folded in 4 column slices (``output_fold.finish_output``).
     tq = 1 if batch_invariant else 2
     config = dataclasses.replace(CONFIG, merge_wave_elems=1024) if batch_invariant else CONFIG
     inputs = make_feature_inputs(
@@ -238,7 +238,7 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
 @pytest.mark.parametrize("level", ["group", "output"])
 def test_invariant_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
     """The batch-invariant mode folds a split group's chunks and an output of several supergroups
-    in column slices (``folds.finish_group``, ``folds.finish_output``; 1024-element waves: 4 slices
+    in column slices (``folds.finish_group``, ``output_fold.finish_output``; 1024-element waves: 4 slices
     of 16 columns), which on a GPU the holders with no tiles left claim beside the program that
     made the last member known. A claim made before the launch stands for such a holder:
     - at the output, slice 0 (which stores the lse) claimed at its first holder (program 0): the
@@ -258,11 +258,11 @@ def test_invariant_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level
     assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["SLICE_WAVE"] > 0
     counters = torch.zeros(counters_size(P), dtype=torch.int32)
     if level == "output":
-        counters[_OUT_CLAIMED.value * P] = 1
+        counters[OUT_CLAIMED.value * P] = 1
     else:  # at every holder but the last: a split group's counters are at its first holder
         last = sum(bool(segments) for segments in lean_schedule(inputs["cache_seqlens"], 1, TILE, P)) - 1
-        counters[_GROUP_CLAIMED.value * P : _GROUP_CLAIMED.value * P + last] = 1
-        counters[_GROUP_MERGED.value * P : _GROUP_MERGED.value * P + last] = 1
+        counters[GROUP_CLAIMED.value * P : GROUP_CLAIMED.value * P + last] = 1
+        counters[GROUP_MERGED.value * P : GROUP_MERGED.value * P + last] = 1
     out, lse, counters = run(inputs, P, True, config, counters)
     assert (counters == 0).all(), "a fold left a counter set"
     assert out[..., :16].isnan().all()

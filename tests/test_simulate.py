@@ -9,7 +9,13 @@ import math
 
 import pytest
 
-from lean_tp.ops.decode_attention.tuning import B200_CONTRIBUTORS, MAX_CONTRIBUTORS, MERGE_FANIN, TUNING_TABLE
+from lean_tp.ops.decode_attention.tuning import (
+    B200_CONTRIBUTORS,
+    INVARIANT_SLICE_HOLDERS,
+    MAX_CONTRIBUTORS,
+    MERGE_FANIN,
+    TUNING_TABLE,
+)
 from lean_tp.tools.gpus import LOOP_US
 from lean_tp.tools.simulate import (
     GPUS,
@@ -609,7 +615,7 @@ def test_the_invariant_variant_streams_at_its_own_blocks_rate():
 def test_the_invariant_output_fold_is_shared_in_column_slices(monkeypatch):
     """MLA's 16 x 512 partials on a TP-8 rank, B=1 at 128k keys: the invariant mode's output of 64
     supergroups is folded in 8 column slices by the program that makes the last known and the
-    contributors waiting beside it (``folds.finish_output``), against all 64 partials through one
+    contributors waiting beside it (``output_fold.finish_output``), against all 64 partials through one
     SM's L2 port when one program folds them whole: under a third of that merge."""
     from lean_tp.tools.simulate import schedules
 
@@ -620,6 +626,23 @@ def test_the_invariant_output_fold_is_shared_in_column_slices(monkeypatch):
     whole = lean_sim_schedule(problem, H100, batch_invariant=True)
     assert sliced.merge_us * 3 < whole.merge_us, (sliced.merge_us, whole.merge_us)
     assert sliced.time_us - sliced.merge_us == pytest.approx(whole.time_us - whole.merge_us)
+
+
+def test_invariant_groups_of_three_holders_or_more_are_folded_in_column_slices(monkeypatch):
+    """MLA on a TP-8 rank, B=1: at 4k each of the 64 chunks lies in a program of its own, so a
+    group of 8 chunks has 8 holders, and its last holder folds it in 8 column slices beside the 7
+    waiting (``folds.finish_group``): the merge takes under two thirds of its time with every group
+    folded whole. At 32k a group spans 2 programs, whose one possible helper would share 8 slices:
+    it stays whole (``tuning.INVARIANT_SLICE_HOLDERS``), the same time either way."""
+    from lean_tp.tools.simulate import schedules
+
+    def merges(context: int, holders: int) -> float:
+        monkeypatch.setattr(schedules, "INVARIANT_SLICE_HOLDERS", holders)
+        problem = Problem((context,), 16, 1, 576, elem_size=2, head_dim_v=512)
+        return lean_sim_schedule(problem, H100, batch_invariant=True).merge_us
+
+    assert merges(4096, INVARIANT_SLICE_HOLDERS) < 0.65 * merges(4096, 10**9)
+    assert merges(32768, INVARIANT_SLICE_HOLDERS) == merges(32768, 10**9)
 
 
 def test_lean_mla_model_against_the_h200_record(monkeypatch):

@@ -126,22 +126,24 @@ def test_mla_cuda_compiled(group, fp8):
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("lens", [[4096], [131072], [4096] * 8], ids=["B1-4k", "B1-128k", "B8-4k"])
-def test_mla_cuda_shared_merge_slices(lens):
+def test_mla_cuda_shared_merge_slices(lens, batch_invariant):
     """DeepSeek-V3's TP-8 rank (16 heads), its 16 x 512 partials merged in 8 column slices that the
-    contributors with no tiles left claim beside each merge's last arriver (``merge.finish_split``):
-    on a GPU they run at the same time, so here the slices are shared. 20 launches on one counters
-    buffer: exact against float64, bitwise the same each time whoever merged which slice, and the
-    counters back at zero after every launch."""
+    contributors with no tiles left claim beside each merge's last arriver (``merge.finish_split``;
+    in the batch-invariant mode, a split group's chunks and an output's supergroups:
+    ``folds.finish_group``, ``output_fold.finish_output``): on a GPU they run at the same time, so here
+    the slices are shared. 20 launches on one counters buffer: exact against float64, bitwise the
+    same each time whoever merged which slice, and the counters back at zero after every launch."""
     from lean_tp.ops.decode_attention.launch_args import counters_size
 
     inputs = _inputs(lens, 16, torch.bfloat16, "paged64", seed=len(lens))
-    plan = plan_decode(**inputs)
+    plan = plan_decode(**inputs, batch_invariant=batch_invariant)
     assert plan.kernel.constexprs["BLOCK_D"] // plan.kernel.constexprs["MERGE_COLS"] == 8
     counters = torch.zeros(counters_size(plan.num_programs), dtype=torch.int32, device="cuda")
-    first = run_kernel(inputs, counters=counters)
+    first = run_kernel(inputs, counters=counters, batch_invariant=batch_invariant)
     _check(*first, inputs, ATOL[torch.bfloat16])
     for _ in range(20):
-        again = run_kernel(inputs, counters=counters)
+        again = run_kernel(inputs, counters=counters, batch_invariant=batch_invariant)
         assert (counters == 0).all()
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])

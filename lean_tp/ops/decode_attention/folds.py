@@ -1,8 +1,8 @@
 """The batch-invariant mode's folds across programs (invariant.py defines the fold): a split
 group's chunks, a supergroup's groups and an output's supergroups, each folded left to right from
 the workspace by the last program to make a member known; where the plan says so (SLICE_WAVE), a
-group's chunks (``finish_group``) and an output's supergroups (``finish_output``) in column slices
-that the holders with no tiles left share."""
+group's chunks (``finish_group``) and an output's supergroups (``output_fold.finish_output``) in
+column slices that the holders with no tiles left share."""
 
 import triton
 import triton.language as tl
@@ -17,7 +17,6 @@ from lean_tp.ops.decode_attention.merge import (
     store_ml,
     store_partial,
 )
-from lean_tp.ops.decode_attention.rows import store_output, unit_cols
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
 from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS
 
@@ -25,15 +24,14 @@ from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS
 # split group's arrivals, claimed column slices and slices folded; a split supergroup's arrivals; a
 # split output's supergroups known, claimed column slices and contributors gone
 # (``launch_args.counters_size`` allocates them).
-_GROUP_ARRIVED = tl.constexpr(0)
-_OUT_KNOWN = tl.constexpr(1)
-_SUPER_ARRIVED = tl.constexpr(2)
-_OUT_CLAIMED = tl.constexpr(3)
-_OUT_LEFT = tl.constexpr(4)
-_GROUP_CLAIMED = tl.constexpr(5)
-_GROUP_MERGED = tl.constexpr(6)
+GROUP_ARRIVED = tl.constexpr(0)
+OUT_KNOWN = tl.constexpr(1)
+SUPER_ARRIVED = tl.constexpr(2)
+OUT_CLAIMED = tl.constexpr(3)
+OUT_LEFT = tl.constexpr(4)
+GROUP_CLAIMED = tl.constexpr(5)
+GROUP_MERGED = tl.constexpr(6)
 INVARIANT_REGIONS = 7
-_REGIONS = tl.constexpr(INVARIANT_REGIONS)
 _SLICE_HOLDERS = tl.constexpr(INVARIANT_SLICE_HOLDERS)
 
 
@@ -124,7 +122,7 @@ def group_known(
     ``held``): the last of its supergroup's groups to be known folds the supergroup. A supergroup
     of one group is that group's value: nothing to count. An output of one supergroup is its value;
     of several, each is stored and counted in, and the last to be known folds the output, or, where
-    the output is folded in column slices (SLICED), owns that fold (``finish_output``, which then
+    the output is folded in column slices (SLICED), owns that fold (``output_fold.finish_output``, which then
     zeroes the count). Returns (whether this program finished the output, whether it owns the
     output's sliced fold, and the output's state when it finished it)."""
     n_groups = cdiv(n_tiles, IGROUP)
@@ -135,7 +133,7 @@ def group_known(
     s_done = single
     if k1 - k0 > 1:
         s_done = _count_in(
-            counter_ptr + _SUPER_ARRIVED * num_programs,
+            counter_ptr + SUPER_ARRIVED * num_programs,
             out_start + k0 * IGROUP,
             t_end - 1,
             k1 - k0,
@@ -160,7 +158,7 @@ def group_known(
             s = k // ISUPER
             store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + s, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
             last = _count_in(
-                counter_ptr + _OUT_KNOWN * num_programs,
+                counter_ptr + OUT_KNOWN * num_programs,
                 out_start,
                 out_start + n_tiles - 1,
                 n_supers,
@@ -241,13 +239,13 @@ def _fold_group_slices(
     (``owner``) claims slices until none is left, and its holders with no tiles past it wait for
     the count (``merge.await_count``) and claim slices beside it. Whoever folds the last slice
     stores the value's m and l (every slice's are the same) and returns True: the value is known."""
-    arrived = counter_ptr + _GROUP_ARRIVED * num_programs + p_first
+    arrived = counter_ptr + GROUP_ARRIVED * num_programs + p_first
     helps = owner
     if (owner == 0) & ends_within(pid, g0, g1 - g0, total, n_active, 1):
         helps = await_count(arrived, n_members, POLLS)
     known = False
     if helps:
-        claimed = counter_ptr + _GROUP_CLAIMED * num_programs + p_first
+        claimed = counter_ptr + GROUP_CLAIMED * num_programs + p_first
         k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
         while k < BLOCK_D // COLS:
             c0 = k * COLS
@@ -256,7 +254,7 @@ def _fold_group_slices(
             )
             store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D, BLOCK_G)
             tl.debug_barrier()  # every thread's stores of the slice before the count
-            merged = tl.atomic_add(counter_ptr + _GROUP_MERGED * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
+            merged = tl.atomic_add(counter_ptr + GROUP_MERGED * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
             if merged == BLOCK_D // COLS - 1:
                 store_ml(ws_ml_ptr, o_slot, n_rows, m, l, BLOCK_G)
                 known = True
@@ -301,7 +299,7 @@ def finish_group(
     # In a sliced kernel the count stays for the holders that wait on it; the output's last
     # leaver zeroes it.
     last = _count_in(
-        counter_ptr + _GROUP_ARRIVED * num_programs, g0, g1 - 1, n_members, total, n_active, False, not SLICED
+        counter_ptr + GROUP_ARRIVED * num_programs, g0, g1 - 1, n_members, total, n_active, False, not SLICED
     )
     whole = last
     held = True
@@ -349,93 +347,3 @@ def finish_group(
             SLICED,
         )
     return done, owner, acc, m, l
-
-
-@triton.jit
-def finish_output(
-    ws_acc_ptr,
-    ws_ml_ptr,
-    counter_ptr,
-    out_ptr,
-    lse_ptr,
-    sinks_ptr,
-    owner,
-    pid,
-    s,
-    hu,
-    out_start,
-    n_tiles,
-    total,
-    n_active,
-    num_programs,
-    max_groups,
-    HU,
-    n_rows,
-    HQ,
-    GROUP: tl.constexpr,
-    TQ: tl.constexpr,
-    SEQ_TOKENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    NUM_GC: tl.constexpr,
-    NUM_VC: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    IGROUP: tl.constexpr,
-    ISUPER: tl.constexpr,
-    COLS: tl.constexpr,
-    SLICE_WAVE: tl.constexpr,
-    POLLS: tl.constexpr,
-):
-    """Fold and store an output of several supergroups, where they are folded in column slices
-    (``group_known``'s SLICED), once the last of them is known: slices of COLS, SLICE_WAVE values
-    loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
-    with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
-    slice folds the same values in the same order, so who folds it never changes its bits. Where
-    several programs hold the output (of any number of supergroups), each counts itself out here,
-    and the last zeroes the counters of the output and of its groups and supergroups
-    (``_zero_counters``) for the next launch (or CUDA-graph replay)."""
-    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
-    p_first = program_of_tile(out_start, total, n_active, 1)
-    p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
-    shared = p_first != p_last
-    if n_supers > 1:
-        known = counter_ptr + _OUT_KNOWN * num_programs + p_first
-        claimed = counter_ptr + _OUT_CLAIMED * num_programs + p_first
-        helps = owner
-        if shared & (owner == 0) & ends_within(pid, out_start, n_tiles, total, n_active, 1):
-            helps = await_count(known, n_supers, POLLS)
-        if helps:
-            first = out_slot0(s, hu, HU, num_programs, max_groups, IGROUP, ISUPER) + max_groups
-            k = pid * 0
-            if shared:
-                k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
-            while k < BLOCK_D // COLS:
-                c0 = k * COLS
-                acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, first, n_supers, n_rows, c0, BLOCK_D, BLOCK_G, COLS,
-                                       SLICE_WAVE, SLICE_WAVE)  # fmt: skip
-                store_output(
-                    out_ptr, lse_ptr, sinks_ptr, s, hu, acc, m, l, unit_cols(hu, NUM_VC, BLOCK_D) + c0, HQ,
-                    GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
-                )  # fmt: skip
-                k += 1
-                if shared:
-                    k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
-    if shared:
-        if (
-            tl.atomic_add(counter_ptr + _OUT_LEFT * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
-            == p_last - p_first
-        ):
-            _zero_counters(counter_ptr, p_first, p_last, num_programs)
-
-
-@triton.jit
-def _zero_counters(counter_ptr, p_first, p_last, num_programs):
-    """Zero the counters of an output that programs [p_first, p_last] share, for the next launch (or
-    CUDA-graph replay): every region at p_first .. p_last - 1, where its split groups and
-    supergroups and the output itself keep them (invariant.py). Nobody touches them once every
-    contributor has left; p_last's belong to the output its range goes on to, if any."""
-    for p0 in range(p_first, p_last, 64):
-        o_p = p0 + tl.arange(0, 64)
-        for region in tl.static_range(_REGIONS):
-            tl.store(counter_ptr + region * num_programs + o_p, 0, mask=o_p < p_last)

@@ -22,7 +22,7 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   that program folds the others from their slots).
 Where the plan folds in column slices (SLICE_WAVE), a group held by INVARIANT_SLICE_HOLDERS
 programs or more and an output of several supergroups are folded in column slices that their
-holders with no tiles left share (``folds.finish_group``, ``folds.finish_output``). Counters
+holders with no tiles left share (``folds.finish_group``, ``output_fold.finish_output``). Counters
 (``folds``' regions of num_programs each), at a fold's first holder p (a program's range ends in at
 most one group, supergroup and output that go on past it): a split group's arrivals, claimed
 slices and folded slices; a split supergroup's arrivals; a split output's known supergroups,
@@ -109,7 +109,7 @@ def attend_invariant(
         unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
         real rows): each chunk attended from a fresh state and folded as this module's docstring
         fixes; where SLICE_WAVE is set, a split group's chunks and an output's supergroups are folded in
-    column slices of COLS (``folds.finish_group``, ``folds.finish_output``).
+    column slices of COLS (``folds.finish_group``, ``output_fold.finish_output``).
         Returns (whether this program finishes the output, whether it owns the output's sliced fold,
         and the output's state when it finishes it)."""
     SLICED: tl.constexpr = SLICE_WAVE > 0

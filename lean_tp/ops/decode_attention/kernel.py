@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.attend import attend_segment, kv_scale
-from lean_tp.ops.decode_attention.folds import finish_output
 from lean_tp.ops.decode_attention.invariant import attend_invariant
 from lean_tp.ops.decode_attention.merge import finish_split
+from lean_tp.ops.decode_attention.output_fold import finish_output
 from lean_tp.ops.decode_attention.rows import (
     load_q,
     row_bounds,
@@ -178,7 +178,7 @@ def decode_attention_fwd_kernel(
     # be live beside the accumulator (128), which spills.
     Q_AHEAD: tl.constexpr = NUM_VC == 1
     # The batch-invariant folds of a split group's chunks and of an output's supergroups go in
-    # column slices (``plan``'s SLICE_WAVE, ``folds.finish_group`` and ``folds.finish_output``),
+    # column slices (``plan``'s SLICE_WAVE, ``folds.finish_group`` and ``output_fold.finish_output``),
     # else whole, by the program that makes the last member known.
     FOLD_SLICED: tl.constexpr = SLICE_WAVE > 0
     pid = tl.program_id(0)

@@ -427,7 +427,7 @@ def _invariant_merges(
     last group in registers and, after its K/V loop, folds the others from the workspace, where
     its loop stored them; a supergroup of one split group is the value its last holder folded.
     Where ``slice_wave`` (the plan's SLICE_WAVE) is set, an output's supergroups are folded in
-    ``slices`` column slices (``folds.finish_output``) as the default tree's second level is merged
+    ``slices`` column slices (``output_fold.finish_output``) as the default tree's second level is merged
     (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
     known (taken as the holder that finishes last) and the holders in ``idle`` (their segment is
     their program's last) still waiting for it (``polls`` reads of its count); a split group's

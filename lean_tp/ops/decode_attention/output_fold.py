@@ -1,0 +1,110 @@
+"""The batch-invariant mode's last fold of a split output (invariant.py defines the fold): its
+supergroups' values, in column slices that its contributors with no tiles left share, and the
+zeroing of every counter the output's folds used, once all its contributors have left."""
+
+import triton
+import triton.language as tl
+
+from lean_tp.ops.decode_attention.folds import (
+    INVARIANT_REGIONS,
+    OUT_CLAIMED,
+    OUT_KNOWN,
+    OUT_LEFT,
+    fold_slots,
+    out_slot0,
+)
+from lean_tp.ops.decode_attention.merge import await_count, ends_within
+from lean_tp.ops.decode_attention.rows import store_output, unit_cols
+from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile
+
+_REGIONS = tl.constexpr(INVARIANT_REGIONS)
+
+
+@triton.jit
+def finish_output(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    counter_ptr,
+    out_ptr,
+    lse_ptr,
+    sinks_ptr,
+    owner,
+    pid,
+    s,
+    hu,
+    out_start,
+    n_tiles,
+    total,
+    n_active,
+    num_programs,
+    max_groups,
+    HU,
+    n_rows,
+    HQ,
+    GROUP: tl.constexpr,
+    TQ: tl.constexpr,
+    SEQ_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_GC: tl.constexpr,
+    NUM_VC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    IGROUP: tl.constexpr,
+    ISUPER: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    POLLS: tl.constexpr,
+):
+    """Fold and store an output of several supergroups, where they are folded in column slices
+    (``group_known``'s SLICED), once the last of them is known: slices of COLS, SLICE_WAVE values
+    loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
+    with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
+    slice folds the same values in the same order, so who folds it never changes its bits. Where
+    several programs hold the output (of any number of supergroups), each counts itself out here,
+    and the last zeroes the counters of the output and of its groups and supergroups
+    (``_zero_counters``) for the next launch (or CUDA-graph replay)."""
+    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    p_first = program_of_tile(out_start, total, n_active, 1)
+    p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
+    shared = p_first != p_last
+    if n_supers > 1:
+        known = counter_ptr + OUT_KNOWN * num_programs + p_first
+        claimed = counter_ptr + OUT_CLAIMED * num_programs + p_first
+        helps = owner
+        if shared & (owner == 0) & ends_within(pid, out_start, n_tiles, total, n_active, 1):
+            helps = await_count(known, n_supers, POLLS)
+        if helps:
+            first = out_slot0(s, hu, HU, num_programs, max_groups, IGROUP, ISUPER) + max_groups
+            k = pid * 0
+            if shared:
+                k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+            while k < BLOCK_D // COLS:
+                c0 = k * COLS
+                acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, first, n_supers, n_rows, c0, BLOCK_D, BLOCK_G, COLS,
+                                       SLICE_WAVE, SLICE_WAVE)  # fmt: skip
+                store_output(
+                    out_ptr, lse_ptr, sinks_ptr, s, hu, acc, m, l, unit_cols(hu, NUM_VC, BLOCK_D) + c0, HQ,
+                    GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
+                )  # fmt: skip
+                k += 1
+                if shared:
+                    k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
+    if shared:
+        if (
+            tl.atomic_add(counter_ptr + OUT_LEFT * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
+            == p_last - p_first
+        ):
+            _zero_counters(counter_ptr, p_first, p_last, num_programs)
+
+
+@triton.jit
+def _zero_counters(counter_ptr, p_first, p_last, num_programs):
+    """Zero the counters of an output that programs [p_first, p_last] share, for the next launch (or
+    CUDA-graph replay): every region at p_first .. p_last - 1, where its split groups and
+    supergroups and the output itself keep them (invariant.py). Nobody touches them once every
+    contributor has left; p_last's belong to the output its range goes on to, if any."""
+    for p0 in range(p_first, p_last, 64):
+        o_p = p0 + tl.arange(0, 64)
+        for region in tl.static_range(_REGIONS):
+            tl.store(counter_ptr + region * num_programs + o_p, 0, mask=o_p < p_last)
