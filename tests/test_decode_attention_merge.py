@@ -236,7 +236,7 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
 
 
 @pytest.mark.parametrize("level", ["group", "output"])
-def test_invariant_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
+def test_group_and_output_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
     """The batch-invariant mode folds a split group's chunks and an output of several supergroups
     in column slices (``folds.finish_group``, ``output_fold.finish_output``; 1024-element waves: 4 slices
     of 16 columns), which on a GPU the holders with no tiles left claim beside the program that

@@ -29,7 +29,7 @@ Each kernel is compiled for sm_80 or sm_90 exactly as a launch would specialize 
   ``LDGSTS.E`` copies a stage ahead) of one thread in one K/V-loop iteration, and how many of them
   the same iteration reads (each such read waits for a global load; ``page_id_timing``);
 - ``merge_wave``: partials the merge loads per loop iteration (``WAVE``; ``SLICE_WAVE`` column slices
-  where the batch-invariant output fold is sliced), ``merge_sass_per_wave`` and
+  where the batch-invariant folds are sliced), ``merge_sass_per_wave`` and
   ``merge_loads_per_wave``: SASS instructions and L2 (``.cg``) loads of one iteration of the merge
   loop, which merges one wave; SASS per contributor is their ratio to ``merge_wave``.
 
