@@ -231,7 +231,7 @@ INVARIANT_SUPER_GROUPS = 4
 # its 8 slices take 4 rounds. In the simulator (``_group_ready``), over DeepSeek-V3's MLA shapes
 # (A100 and H100, 16 and 128 heads, B 1-16, 4k-32k keys, Tq 1 and 2, 16-bit cache), slicing from
 # 3 holders gives 0.985x the time of whole folds (geomean), from 4 0.987x, from 5 0.992x, none
-# slower; from 2, H100 16 heads B=1 takes 1.4x at 32k and B=4 1.6x at 128k.
+# slower; from 2, the merge of H100 16 heads takes 1.4x at B=1 32k and 1.6x at B=4 128k.
 INVARIANT_SLICE_HOLDERS = 3
 
 # The interpreter runs programs one after another; a handful of programs still exercises every
