@@ -614,6 +614,20 @@ def test_only_selects_the_kernels_whose_fields_read_as_given():
             only_field(bad)
 
 
+def test_a_trial_setting_reaches_the_other_architectures_jobs():
+    """``--set`` with ``--archs``: every job of the other architectures carries the trial's
+    fields, and the jobs whose entry they do not fit are left out, as ``report_jobs`` does."""
+    from lean_tp.tools.kernel_report import arch_jobs
+
+    plain = arch_jobs(("sm86",))
+    trial = arch_jobs(("sm86",), overrides=(("num_stages", 3),))
+    assert trial and {job[6] for job in trial} == {(("num_stages", 3),)}
+    assert [job[:6] + job[7:] for job in trial] == [job[:6] + job[7:] for job in plain]
+    # block_n 128 divides no 64-key tile: those entries drop out, the others stay.
+    wide = arch_jobs(("sm86",), overrides=(("block_n", 128),))
+    assert len(wide) < len(plain) and all(job[6] == (("block_n", 128),) for job in wide)
+
+
 def test_issue_share_and_bytes_in_flight_follow_their_definitions():
     """sm_90 D=128 fp16, 64 keys per iteration: 32 KB of K and V take 32768 / (3.0 TB/s / 132 SMs)
     = 1.44 us = 2530 cycles at 1.755 GHz; 632 SASS x 4 warps / 4 schedulers = 632 issue cycles."""

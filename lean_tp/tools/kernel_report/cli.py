@@ -69,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     only = _parse_items(p, "--only", args.only, only_field)
+    overrides = _parse_items(p, "--set", args.set, config_override)
     if args.archs:
-        rows = run_report(select_jobs(arch_jobs(sample=args.sample), only), args.workers)
+        rows = run_report(select_jobs(arch_jobs(sample=args.sample, overrides=overrides), only), args.workers)
         print(json.dumps([r.as_json() for r in rows], indent=1) if args.json else arch_markdown(rows), end="")
         return 0
-    jobs = report_jobs(args.variants, _parse_items(p, "--set", args.set, config_override))
+    jobs = report_jobs(args.variants, overrides)
     rows = run_report(select_jobs(sample_jobs(jobs) if args.sample else jobs, only), args.workers)
     if args.json:
         print(json.dumps([r.as_json() for r in rows], indent=1))

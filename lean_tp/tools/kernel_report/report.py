@@ -18,6 +18,7 @@ from lean_tp.ops.decode_attention.tuning import (
     FP_FUSION,
     TABLE_HEAD_DIMS,
     TUNING_TABLE,
+    DecodeConfig,
     config_for,
     head_dim_pairs,
     paired_head_dim_v,
@@ -177,7 +178,7 @@ def compile_stats(
     head_dim_v = paired_head_dim_v(head_dim)  # MLA's entries: V read from K's tile
     torch_dtype = DTYPES[dtype]
     wanted = dataclasses.replace(FEATURES[features], leftpad=leftpad, v_in_k=head_dim_v is not None)
-    config = dataclasses.replace(config_for(arch, head_dim, torch_dtype, wanted.fp8, head_dim_v), **dict(overrides))
+    config = dataclasses.replace(_entry(arch, head_dim, dtype, features), **dict(overrides))
     variant = KernelVariant(arch, torch_dtype, head_dim, group, LAYOUTS[layout], wanted, config, head_dim_v)
     kernel = compile_variant(variant, GPUTarget("cuda", ARCHS[arch].target, 32))
     regs, stack, static_shared = resources(kernel.asm["cubin"])
@@ -216,6 +217,11 @@ def compile_stats(
 def report_group(head_dim: int) -> int:
     """The GQA group the report compiles a head dim's entries for."""
     return MLA_GROUP if paired_head_dim_v(head_dim) else REPORT_GROUP
+
+
+def _entry(arch: str, head_dim: int, dtype: str, features: str) -> DecodeConfig:
+    """The tuning entry a job of ``arch`` compiles (its q dtype's, or its fp8 feature's cache's)."""
+    return config_for(arch, head_dim, DTYPES[dtype], FEATURES[features].fp8, paired_head_dim_v(head_dim))
 
 
 def _valid(config, overrides: tuple[tuple[str, int], ...]) -> bool:
@@ -292,27 +298,30 @@ ARCH_FEATURES = ("invariant", "all")
 ARCH_SAMPLE_INVARIANT = {"sm86": 128, "sm89": 256, "sm100": 64, "sm120": 576}
 
 
-def arch_jobs(archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False) -> list[tuple]:
+def arch_jobs(
+    archs: tuple[str, ...] = OTHER_ARCHS, sample: bool = False, overrides: tuple[tuple[str, int], ...] = ()
+) -> list[tuple]:
     """Every architecture beyond the report's two, against its own limits: each head dim's entry
     (the architecture's own or the one it takes, ``Arch.tuning``) on the contiguous and paged16
     layouts, 16-bit and e4m3, fp32 on one layout, and ``ARCH_FEATURES`` on paged16. ``sample``
     (CI's check): paged16 alone, the layout that stages the most, beside fp32's one layout, and
-    the batch-invariant variant on ``ARCH_SAMPLE_INVARIANT``'s head dim alone."""
+    the batch-invariant variant on ``ARCH_SAMPLE_INVARIANT``'s head dim alone. ``overrides``: a
+    trial's tuning-table fields (``report_jobs``), each job left out where they do not fit its entry."""
     jobs = []
     for arch in archs:
         for head_dim in (*TABLE_HEAD_DIMS, *(k for k, _ in head_dim_pairs())):
             group = report_group(head_dim)
             for layout in ("paged16",) if sample else ("contiguous", "paged16"):
-                jobs += [(arch, head_dim, "fp16", layout, group, False, (), f) for f in ("", "fp8_e4m3")]
+                jobs += [(arch, head_dim, "fp16", layout, group, False, overrides, f) for f in ("", "fp8_e4m3")]
             if not paired_head_dim_v(head_dim):
-                jobs.append((arch, head_dim, "fp32", "contiguous", group, False, (), ""))
+                jobs.append((arch, head_dim, "fp32", "contiguous", group, False, overrides, ""))
             features = [
                 f
                 for f in ARCH_FEATURES
                 if not sample or f != "invariant" or ARCH_SAMPLE_INVARIANT.get(arch) == head_dim
             ]
-            jobs += [(arch, head_dim, "fp16", "paged16", group, False, (), f) for f in features]
-    return jobs
+            jobs += [(arch, head_dim, "fp16", "paged16", group, False, overrides, f) for f in features]
+    return [job for job in jobs if _valid(_entry(job[0], job[1], job[2], job[7]), overrides)]
 
 
 def sample_jobs(jobs: list[tuple]) -> list[tuple]:
