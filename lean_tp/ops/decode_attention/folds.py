@@ -289,8 +289,9 @@ def finish_group(
     """Count this program in at group k of a split output, after publishing its chunks of it; the
     last holder to arrive folds the group, whole or, where the plan folds in column slices
     (SLICE_WAVE) and the group has INVARIANT_SLICE_HOLDERS holders or more (tuning.py), in slices
-    its idle holders share (``_fold_group_slices``), and makes its value known (``group_known``). Returns (whether this program finished the output, whether it owns
-    the output's fold, and the output's state when it finished it)."""
+    its idle holders share (``_fold_group_slices``), and makes its value known (``group_known``).
+    Returns (whether this program finished the output, whether it owns the output's fold, and the
+    output's state when it finished it)."""
     SLICED: tl.constexpr = SLICE_WAVE > 0
     g0 = out_start + k * IGROUP
     g1 = tl.minimum(g0 + IGROUP, out_start + n_tiles)
