@@ -238,9 +238,9 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
 @pytest.mark.parametrize("level", ["group", "output"])
 def test_group_and_output_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
     """The batch-invariant mode folds a split group's chunks and an output of several supergroups
-    in column slices (``folds.finish_group``, ``output_fold.finish_output``; 1024-element waves: 4 slices
-    of 16 columns), which on a GPU the holders with no tiles left claim beside the program that
-    made the last member known. A claim made before the launch stands for such a holder:
+    in column slices (``folds.finish_group``, ``output_fold.finish_output``; 1024-element waves: 4
+    slices of 16 columns), which on a GPU the holders with no tiles left claim beside the program
+    that made the last member known. A claim made before the launch stands for such a holder:
     - at the output, slice 0 (which stores the lse) claimed at its first holder (program 0): the
       owner folds every other slice and leaves slice 0's columns and the lse unwritten;
     - at every split group (counters at each holder but the last), slice 0 claimed and counted as

@@ -615,8 +615,8 @@ def test_the_invariant_variant_streams_at_its_own_blocks_rate():
 def test_the_invariant_output_fold_is_shared_in_column_slices(monkeypatch):
     """MLA's 16 x 512 partials on a TP-8 rank, B=1 at 128k keys: the invariant mode's output of 64
     supergroups is folded in 8 column slices by the program that makes the last known and the
-    contributors waiting beside it (``output_fold.finish_output``), against all 64 partials through one
-    SM's L2 port when one program folds them whole: under a third of that merge."""
+    contributors waiting beside it (``output_fold.finish_output``), against all 64 partials through
+    one SM's L2 port when one program folds them whole: under a third of that merge."""
     from lean_tp.tools.simulate import schedules
 
     problem = Problem((131072,), 16, 1, 576, elem_size=2, head_dim_v=512)

@@ -122,9 +122,9 @@ def group_known(
     ``held``): the last of its supergroup's groups to be known folds the supergroup. A supergroup
     of one group is that group's value: nothing to count. An output of one supergroup is its value;
     of several, each is stored and counted in, and the last to be known folds the output, or, where
-    the output is folded in column slices (SLICED), owns that fold (``output_fold.finish_output``, which then
-    zeroes the count). Returns (whether this program finished the output, whether it owns the
-    output's sliced fold, and the output's state when it finished it)."""
+    the output is folded in column slices (SLICED), owns that fold (``output_fold.finish_output``,
+    whose last leaver zeroes the count). Returns (whether this program finished the output,
+    whether it owns the output's sliced fold, and the output's state when it finished it)."""
     n_groups = cdiv(n_tiles, IGROUP)
     k0 = k // ISUPER * ISUPER
     k1 = tl.minimum(k0 + ISUPER, n_groups)
@@ -303,7 +303,7 @@ def finish_group(
         counter_ptr + GROUP_ARRIVED * num_programs, g0, g1 - 1, n_members, total, n_active, False, not SLICED
     )
     whole = last
-    held = True
+    held = True  # where nothing is sliced, the last holder always has the value in registers
     if SLICED:
         sliced = n_members >= _SLICE_HOLDERS
         whole = last & (sliced == 0)

@@ -178,8 +178,8 @@ def decode_attention_fwd_kernel(
     # be live beside the accumulator (128), which spills.
     Q_AHEAD: tl.constexpr = NUM_VC == 1
     # The batch-invariant folds of a split group's chunks and of an output's supergroups go in
-    # column slices (``plan``'s SLICE_WAVE, ``folds.finish_group`` and ``output_fold.finish_output``),
-    # else whole, by the program that makes the last member known.
+    # column slices (``plan``'s SLICE_WAVE, ``folds.finish_group`` and
+    # ``output_fold.finish_output``), else whole, by the program that makes the last member known.
     FOLD_SLICED: tl.constexpr = SLICE_WAVE > 0
     pid = tl.program_id(0)
     HU = HKV * NUM_GC

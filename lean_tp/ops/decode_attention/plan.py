@@ -163,9 +163,10 @@ class KernelVariant:
             if f.batch_invariant or cols == block_d
             else merge_wave(block_g, cols, MERGE_SLICE_WAVE_ELEMS),
             "MERGE_COLS": cols,
-            # The batch-invariant mode folds an output's supergroups in column slices where its
-            # partials are merged in slices (``output_fold.finish_output``), this many slices' values at
-            # once (a wave of the entry's size, as its whole folds load); 0: whole, or no such fold.
+            # The batch-invariant mode folds a split group's chunks and an output's supergroups in
+            # column slices where its partials are merged in slices (``folds.finish_group``,
+            # ``output_fold.finish_output``), this many slices' values at once (a wave of the
+            # entry's size, as its whole folds load); 0: whole, or no such fold.
             "SLICE_WAVE": merge_wave(block_g, cols, config.merge_wave_elems)
             if f.batch_invariant and cols < block_d
             else 0,

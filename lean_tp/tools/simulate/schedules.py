@@ -427,8 +427,8 @@ def _invariant_merges(
     last group in registers and, after its K/V loop, folds the others from the workspace, where
     its loop stored them; a supergroup of one split group is the value its last holder folded.
     Where ``slice_wave`` (the plan's SLICE_WAVE) is set, an output's supergroups are folded in
-    ``slices`` column slices (``output_fold.finish_output``) as the default tree's second level is merged
-    (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
+    ``slices`` column slices (``output_fold.finish_output``) as the default tree's second level is
+    merged (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
     known (taken as the holder that finishes last) and the holders in ``idle`` (their segment is
     their program's last) still waiting for it (``polls`` reads of its count); a split group's
     chunks the same way (``_group_ready``)."""
@@ -505,7 +505,7 @@ def _group_ready(
     own = sorted(x for x in held if x[0] < g1 and x[0] + x[1] > g0)
     ready = max(x[3] for x in own)
     loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
-    if loads and slice_wave and len({x[2] for x in own}) >= INVARIANT_SLICE_HOLDERS:
+    if loads and slice_wave and len(own) >= INVARIANT_SLICE_HOLDERS:  # a holder a segment
         owner, wait = max(own, key=lambda x: x[3]), polls * gpu.l2_latency_us
         helpers = [x for x in own if x is not owner and x[4] and x[0] + x[1] <= g1 and ready - x[3] <= wait]
         mergers = 1 + len(helpers)
