@@ -17,7 +17,7 @@ import triton.runtime.interpreter as interpreter
 from test_decode_attention_features import assert_matches_feature_ref, make_feature_inputs
 
 from lean_tp.ops.decode_attention.cache import CacheLayout
-from lean_tp.ops.decode_attention.folds import GROUP_CLAIMED, GROUP_MERGED, OUT_CLAIMED
+from lean_tp.ops.decode_attention.folds import GROUP_CLAIMED, GROUP_MERGED, OUT_CLAIMED, SUPER_CLAIMED, SUPER_MERGED
 from lean_tp.ops.decode_attention.kernel import decode_attention_fwd_kernel
 from lean_tp.ops.decode_attention.launch_args import counters_size, plan_workspace
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd, lean_schedule, merge_plan, plan_decode
@@ -235,34 +235,36 @@ def test_slices_claimed_elsewhere_are_left_to_their_claimer(num_programs, region
     )
 
 
-@pytest.mark.parametrize("level", ["group", "output"])
+@pytest.mark.parametrize("level", ["group", "super", "output"])
 def test_group_and_output_fold_slices_claimed_elsewhere_are_left_to_their_claimer(level):
-    """The batch-invariant mode folds a split group's chunks and an output of several supergroups
-    in column slices (``folds.finish_group``, ``output_fold.finish_output``; 1024-element waves: 4
-    slices of 16 columns), which on a GPU the holders with no tiles left claim beside the program
-    that made the last member known. A claim made before the launch stands for such a holder:
+    """The batch-invariant mode folds a split group's chunks, a split supergroup's groups and an
+    output of several supergroups in column slices (``folds.finish_group``,
+    ``output_fold.finish_super``, ``output_fold.finish_output``; 1024-element waves: 4 slices of 16
+    columns), which on a GPU the holders with no tiles left claim beside the program that made the
+    last member known. A claim made before the launch stands for such a holder:
     - at the output, slice 0 (which stores the lse) claimed at its first holder (program 0): the
       owner folds every other slice and leaves slice 0's columns and the lse unwritten;
-    - at every split group (counters at each holder but the last), slice 0 claimed and counted as
-      folded: every other slice and the group's m and l are stored, the group is known, and the
-      claimed columns, never written in the NaN-filled workspace, reach the output as NaN while
-      the lse is exact.
+    - at every split group or supergroup (counters at each holder but the last), slice 0 claimed
+      and counted as folded: every other slice and the value's m and l are stored, the value is
+      known, and the claimed columns, never written in the NaN-filled workspace, reach the output
+      as NaN while the lse is exact.
     The rest match the reference, and every counter ends at zero. Unclaimed, those folds are the
     batch-invariant tests' (bitwise, every arrival order: above)."""
     config = dataclasses.replace(CONFIG, merge_wave_elems=1024)
-    # 68 chunks of 16 keys over 24 programs: each group's 8 chunks are held by 3 or 4 programs
-    # (``tuning.INVARIANT_SLICE_HOLDERS``).
+    # 68 chunks of 16 keys over 24 programs: each group's 8 chunks are held by 3 or 4 programs and
+    # each whole supergroup's 32 by 11 or 12 (``tuning.INVARIANT_SLICE_HOLDERS``).
     P = 24
     inputs = make_feature_inputs([1084], 4, 1, 64, torch.float32, "paged16", seed=31)  # 3 supergroups of 512 keys
     plan = plan_decode(**inputs, softmax_scale=0.125, num_programs=P, config=config, batch_invariant=True)
     assert plan.kernel.constexprs["MERGE_COLS"] == 16 and plan.kernel.constexprs["SLICE_WAVE"] > 0
     counters = torch.zeros(counters_size(P), dtype=torch.int32)
+    # A split group's or supergroup's counters are at its first holder: at every holder but the last.
+    last = sum(bool(segments) for segments in lean_schedule(inputs["cache_seqlens"], 1, TILE, P)) - 1
     if level == "output":
         counters[OUT_CLAIMED.value * P] = 1
-    else:  # at every holder but the last: a split group's counters are at its first holder
-        last = sum(bool(segments) for segments in lean_schedule(inputs["cache_seqlens"], 1, TILE, P)) - 1
-        counters[GROUP_CLAIMED.value * P : GROUP_CLAIMED.value * P + last] = 1
-        counters[GROUP_MERGED.value * P : GROUP_MERGED.value * P + last] = 1
+    else:
+        for region in (GROUP_CLAIMED, GROUP_MERGED) if level == "group" else (SUPER_CLAIMED, SUPER_MERGED):
+            counters[region.value * P : region.value * P + last] = 1
     out, lse, counters = run(inputs, P, True, config, counters)
     assert (counters == 0).all(), "a fold left a counter set"
     assert out[..., :16].isnan().all()

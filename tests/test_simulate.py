@@ -12,6 +12,7 @@ import pytest
 from lean_tp.ops.decode_attention.tuning import (
     B200_CONTRIBUTORS,
     INVARIANT_SLICE_HOLDERS,
+    INVARIANT_SUPER_SLICE_HOLDERS,
     MAX_CONTRIBUTORS,
     MERGE_FANIN,
     TUNING_TABLE,
@@ -643,6 +644,21 @@ def test_invariant_groups_of_three_holders_or_more_are_folded_in_column_slices(m
 
     assert merges(4096, INVARIANT_SLICE_HOLDERS) < 0.65 * merges(4096, 10**9)
     assert merges(32768, INVARIANT_SLICE_HOLDERS) == merges(32768, 10**9)
+
+
+def test_invariant_supergroups_of_five_holders_or_more_are_folded_in_column_slices(monkeypatch):
+    """The same rank at 4k: the output's 2 supergroups of 4 groups have 32 holders each, so the
+    program that makes a supergroup's last group known folds it in 8 column slices beside the
+    holders waiting (``output_fold.finish_super``): the merge takes under three quarters of its time
+    with every supergroup folded whole."""
+    from lean_tp.tools.simulate import schedules
+
+    def merges(holders: int) -> float:
+        monkeypatch.setattr(schedules, "INVARIANT_SUPER_SLICE_HOLDERS", holders)
+        problem = Problem((4096,), 16, 1, 576, elem_size=2, head_dim_v=512)
+        return lean_sim_schedule(problem, H100, batch_invariant=True).merge_us
+
+    assert merges(INVARIANT_SUPER_SLICE_HOLDERS) < 0.75 * merges(10**9)
 
 
 def test_lean_mla_model_against_the_h200_record(monkeypatch):

@@ -131,11 +131,11 @@ def test_mla_cuda_compiled(group, fp8):
 def test_mla_cuda_shared_merge_slices(lens, batch_invariant):
     """DeepSeek-V3's TP-8 rank (16 heads), its 16 x 512 partials merged in 8 column slices that the
     contributors with no tiles left claim beside each merge's last arriver (``merge.finish_split``;
-    in the batch-invariant mode, a split group's chunks and an output's supergroups:
-    ``folds.finish_group``, ``output_fold.finish_output``): on a GPU they run at the same time, so
-    here the slices are shared. 20 launches on one counters buffer: exact against float64, bitwise
-    the same each time whoever merged which slice, and the counters back at zero after every
-    launch."""
+    in the batch-invariant mode, a split group's chunks, a split supergroup's groups and an output's
+    supergroups: ``folds.finish_group``, ``output_fold.finish_super``, ``output_fold.finish_output``):
+    on a GPU they run at the same time, so here the slices are shared. 20 launches on one counters
+    buffer: exact against float64, bitwise the same each time whoever merged which slice, and the
+    counters back at zero after every launch."""
     from lean_tp.ops.decode_attention.launch_args import counters_size
 
     inputs = _inputs(lens, 16, torch.bfloat16, "paged64", seed=len(lens))

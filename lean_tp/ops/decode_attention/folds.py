@@ -1,8 +1,9 @@
 """The batch-invariant mode's folds across programs (invariant.py defines the fold): a split
 group's chunks, a supergroup's groups and an output's supergroups, each folded left to right from
 the workspace by the last program to make a member known; where the plan says so (SLICE_WAVE), a
-group's chunks (``finish_group``) and an output's supergroups (``output_fold.finish_output``) in
-column slices that the holders with no tiles left share."""
+group's chunks (``finish_group``), a split supergroup's groups (``output_fold.finish_super``) and
+an output's supergroups (``output_fold.finish_output``) in column slices that the holders with no
+tiles left share."""
 
 import triton
 import triton.language as tl
@@ -18,12 +19,12 @@ from lean_tp.ops.decode_attention.merge import (
     store_partial,
 )
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
-from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS
+from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS, INVARIANT_SUPER_SLICE_HOLDERS
 
 # The counters' regions (num_programs each, invariant.py), indexed by a fold's first holder: a
-# split group's arrivals, claimed column slices and slices folded; a split supergroup's arrivals; a
-# split output's supergroups known, claimed column slices and contributors gone
-# (``launch_args.counters_size`` allocates them).
+# split group's arrivals, claimed column slices and slices folded; a split supergroup's arrivals,
+# claimed column slices and slices folded; a split output's supergroups known, claimed column
+# slices and contributors gone (``launch_args.counters_size`` allocates them).
 GROUP_ARRIVED = tl.constexpr(0)
 OUT_KNOWN = tl.constexpr(1)
 SUPER_ARRIVED = tl.constexpr(2)
@@ -31,8 +32,11 @@ OUT_CLAIMED = tl.constexpr(3)
 OUT_LEFT = tl.constexpr(4)
 GROUP_CLAIMED = tl.constexpr(5)
 GROUP_MERGED = tl.constexpr(6)
-INVARIANT_REGIONS = 7
+SUPER_CLAIMED = tl.constexpr(7)
+SUPER_MERGED = tl.constexpr(8)
+INVARIANT_REGIONS = 9
 _SLICE_HOLDERS = tl.constexpr(INVARIANT_SLICE_HOLDERS)
+_SUPER_SLICE_HOLDERS = tl.constexpr(INVARIANT_SUPER_SLICE_HOLDERS)
 
 
 @triton.jit
@@ -80,7 +84,7 @@ def fold_slots(
 
 
 @triton.jit
-def _count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order, RESET: tl.constexpr):
+def count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order, RESET: tl.constexpr):
     """Whether this program makes the last of n_members values of a fold over tiles [t_first,
     t_last] known: by count at the counter of their first holder (``merge.arrive``: RESET zeroes
     it there), or, when one program holds them all (so it makes each known, in order), where
@@ -91,6 +95,24 @@ def _count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order
     if p_first != program_of_tile(t_last, total, n_active, 1):
         last = arrive(counter_ptr + p_first, n_members, RESET)
     return last
+
+
+@triton.jit
+def super_span(out_start, n_tiles, sg, IGROUP: tl.constexpr, ISUPER: tl.constexpr):
+    """Supergroup sg of the output of tiles [out_start, out_start + n_tiles): its tiles [t0, t1)
+    and groups [k0, k1)."""
+    k0 = sg * ISUPER
+    k1 = tl.minimum(k0 + ISUPER, cdiv(n_tiles, IGROUP))
+    return out_start + k0 * IGROUP, out_start + tl.minimum(k1 * IGROUP, n_tiles), k0, k1
+
+
+@triton.jit
+def super_in_slices(t0, t1, k0, k1, total, n_active):
+    """Whether, where the kernel folds in column slices, the supergroup of tiles [t0, t1) and groups
+    [k0, k1) is folded in slices (``output_fold.finish_super``): it has several groups and
+    INVARIANT_SUPER_SLICE_HOLDERS holders or more (tuning.py)."""
+    holders = program_of_tile(t1 - 1, total, n_active, 1) - program_of_tile(t0, total, n_active, 1) + 1
+    return (k1 - k0 > 1) & (holders >= _SUPER_SLICE_HOLDERS)
 
 
 @triton.jit
@@ -119,53 +141,41 @@ def group_known(
     SLICED: tl.constexpr,
 ):
     """Group k's value is in its slot (slot0 + k), written by this program (and in g when
-    ``held``): the last of its supergroup's groups to be known folds the supergroup. A supergroup
-    of one group is that group's value: nothing to count. An output of one supergroup is its value;
-    of several, each is stored and counted in, and the last to be known folds the output, or, where
-    the output is folded in column slices (SLICED), owns that fold (``output_fold.finish_output``,
-    whose last leaver zeroes the count). Returns (whether this program finished the output,
-    whether it owns the output's sliced fold, and the output's state when it finished it)."""
-    n_groups = cdiv(n_tiles, IGROUP)
-    k0 = k // ISUPER * ISUPER
-    k1 = tl.minimum(k0 + ISUPER, n_groups)
-    t_end = out_start + tl.minimum(k1 * IGROUP, n_tiles)
+    ``held``): the last of its supergroup's groups to be known folds the supergroup, or, where the
+    supergroup is folded in column slices (SLICED and ``super_in_slices``), owns that fold
+    (``output_fold.finish_super``). A supergroup of one group is that group's value: nothing to
+    count. An output of one supergroup is its value; of several, each is stored and counted in, and
+    the last to be known folds the output, or, where the output is folded in column slices
+    (SLICED), owns that fold (``output_fold.finish_output``, whose last leaver zeroes the counts).
+    Returns (whether this program finished the output, whether it owns the output's sliced fold,
+    whether it owns the supergroup's, and the output's state when it finished it)."""
+    t0, t_end, k0, k1 = super_span(out_start, n_tiles, k // ISUPER, IGROUP, ISUPER)
     single = k1 - k0 == 1
     s_done = single
     if k1 - k0 > 1:
-        s_done = _count_in(
-            counter_ptr + SUPER_ARRIVED * num_programs,
-            out_start + k0 * IGROUP,
-            t_end - 1,
-            k1 - k0,
-            total,
-            n_active,
-            k == k1 - 1,
-            True,
-        )
+        s_done = count_in(
+            counter_ptr + SUPER_ARRIVED * num_programs, t0, t_end - 1, k1 - k0, total, n_active, k == k1 - 1,
+            not SLICED,
+        )  # fmt: skip
+    s_owner = False
+    if SLICED:
+        s_owner = s_done & super_in_slices(t0, t_end, k0, k1, total, n_active)
     done = False
     owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
-    if s_done:
+    if s_done & (s_owner == 0):
         if single & held:
             acc, m, l = g_acc, g_m, g_l
         else:
             acc, m, l = fold_slots(
                 ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
             )
-        n_supers = cdiv(n_groups, ISUPER)
+        n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
         done = n_supers == 1
         if n_supers > 1:
-            s = k // ISUPER
-            store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + s, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
-            last = _count_in(
-                counter_ptr + OUT_KNOWN * num_programs,
-                out_start,
-                out_start + n_tiles - 1,
-                n_supers,
-                total,
-                n_active,
-                s == n_supers - 1,
-                not SLICED,
+            store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + k // ISUPER, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
+            last = super_counted(
+                counter_ptr, k // ISUPER, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, SLICED
             )
             if SLICED:
                 owner = last
@@ -176,7 +186,29 @@ def group_known(
                         ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D,
                         WAVE, WAVE,
                     )  # fmt: skip
-    return done, owner, acc, m, l
+    return done, owner, s_owner, acc, m, l
+
+
+@triton.jit
+def super_counted(
+    counter_ptr,
+    sg,
+    out_start,
+    n_tiles,
+    total,
+    n_active,
+    num_programs,
+    IGROUP: tl.constexpr,
+    ISUPER: tl.constexpr,
+    SLICED: tl.constexpr,
+):
+    """Count supergroup sg's value, stored in its slot, in at its output of several supergroups:
+    True for the last to be known (without SLICED its count is zeroed there)."""
+    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    return count_in(
+        counter_ptr + OUT_KNOWN * num_programs, out_start, out_start + n_tiles - 1, n_supers, total, n_active,
+        sg == n_supers - 1, not SLICED,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -290,8 +322,9 @@ def finish_group(
     last holder to arrive folds the group, whole or, where the plan folds in column slices
     (SLICE_WAVE) and the group has INVARIANT_SLICE_HOLDERS holders or more (tuning.py), in slices
     its idle holders share (``_fold_group_slices``), and makes its value known (``group_known``).
-    Returns (whether this program finished the output, whether it owns the output's fold, and the
-    output's state when it finished it)."""
+    Returns ``group_known``'s (whether this program finished the output, whether it owns the
+    output's fold, whether it owns the group's supergroup's, and the output's state when it
+    finished it)."""
     SLICED: tl.constexpr = SLICE_WAVE > 0
     g0 = out_start + k * IGROUP
     g1 = tl.minimum(g0 + IGROUP, out_start + n_tiles)
@@ -299,7 +332,7 @@ def finish_group(
     n_members = program_of_tile(g1 - 1, total, n_active, 1) - p_first + 1
     # In a sliced kernel the count stays for the holders that wait on it; the output's last
     # leaver zeroes it.
-    last = _count_in(
+    last = count_in(
         counter_ptr + GROUP_ARRIVED * num_programs, g0, g1 - 1, n_members, total, n_active, False, not SLICED
     )
     whole = last
@@ -321,9 +354,10 @@ def finish_group(
         store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + k, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
     done = False
     owner = False
+    s_owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
     if last:
-        done, owner, acc, m, l = group_known(
+        done, owner, s_owner, acc, m, l = group_known(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -347,4 +381,4 @@ def finish_group(
             WAVE,
             SLICED,
         )
-    return done, owner, acc, m, l
+    return done, owner, s_owner, acc, m, l

@@ -20,16 +20,17 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   sequence, schedule.py): the output's group k's value at + k, supergroup s's at + max_groups + s
   (an output of one supergroup that one program holds keeps its last group in registers, and
   that program folds the others from their slots).
-Where the plan folds in column slices (SLICE_WAVE), a group held by INVARIANT_SLICE_HOLDERS
-programs or more and an output of several supergroups are folded in column slices that their
-holders with no tiles left share (``folds.finish_group``, ``output_fold.finish_output``). Counters
-(``folds``' regions of num_programs each), at a fold's first holder p (a program's range ends in at
-most one group, supergroup and output that go on past it): a split group's arrivals, claimed
-slices and folded slices; a split supergroup's arrivals; a split output's known supergroups,
-claimed slices and contributors gone. A supergroup or output that one program holds needs none:
-its values are known in order, in that program. In a sliced kernel every contributor of a split
-output counts itself out, and the last zeroes the output's counters and its groups' and
-supergroups' (``folds._zero_counters``); elsewhere each count is zeroed by its last arriver.
+Where the plan folds in column slices (SLICE_WAVE), a group or a supergroup held by
+INVARIANT_SLICE_HOLDERS programs or more and an output of several supergroups are folded in
+column slices that their holders with no tiles left share (``folds.finish_group``,
+``output_fold.finish_output``). Counters (``folds``' regions of num_programs each), at a fold's
+first holder p (a program's range ends in at most one group, supergroup and output that go on
+past it): a split group's arrivals, claimed slices and folded slices; a split supergroup's the
+same; a split output's known supergroups, claimed slices and contributors gone. A supergroup or
+output that one program holds needs none: its values are known in order, in that program. In a
+sliced kernel every contributor of a split output counts itself out, and the last zeroes the
+output's counters and its groups' and supergroups' (``output_fold._zero_counters``); elsewhere
+each count is zeroed by its last arriver.
 """
 
 import triton
@@ -106,12 +107,13 @@ def attend_invariant(
     POLLS: tl.constexpr,
 ):
     """The batch-invariant form of one segment (chunks [tile, tile + seg_n) of the output of head
-        unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
-        real rows): each chunk attended from a fresh state and folded as this module's docstring
-        fixes; where SLICE_WAVE is set, a split group's chunks and an output's supergroups are folded in
-    column slices of COLS (``folds.finish_group``, ``output_fold.finish_output``).
-        Returns (whether this program finishes the output, whether it owns the output's sliced fold,
-        and the output's state when it finishes it)."""
+    unit hu of schedule sequence s, whose keys are in the cache's sequence b; n_tiles chunks; n_rows
+    real rows): each chunk attended from a fresh state and folded as this module's docstring fixes;
+    where SLICE_WAVE is set, a split group's chunks, a split supergroup's groups and an output's
+    supergroups are folded in column slices of COLS (``folds.finish_group``,
+    ``output_fold.finish_output``). Returns (whether this program finishes the output, whether it
+    owns the output's sliced fold, whether it owns the sliced fold of the supergroup of chunk tile,
+    of chunk stop - 1, and the output's state when it finishes it)."""
     SLICED: tl.constexpr = SLICE_WAVE > 0
     # An output of one supergroup that this program holds whole is folded by it, with no count.
     whole = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
@@ -183,6 +185,8 @@ def attend_invariant(
     o_acc, o_m, o_l = empty_state(BLOCK_G, BLOCK_D)
     done = whole
     owner = tile < 0
+    own_lead = owner  # owns the sliced fold of the supergroup of chunk tile, of chunk stop - 1
+    own_end = owner
     if whole:
         tl.debug_barrier()  # the group values this program's threads stored, before its loads of them
         # The output is one supergroup: fewer than ISUPER groups' values in slots.
@@ -192,7 +196,7 @@ def attend_invariant(
         o_acc, o_m, o_l = fold_pair(o_acc, o_m, o_l, g_acc, g_m, g_l)
     else:
         for k in range(k_lo, k_hi):
-            fin, f_owner, f_acc, f_m, f_l = group_known(
+            fin, f_owner, s_owner, f_acc, f_m, f_l = group_known(
                 ws_acc_ptr,
                 ws_ml_ptr,
                 counter_ptr,
@@ -218,8 +222,9 @@ def attend_invariant(
             )
             done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
             owner = owner | f_owner
+            own_lead, own_end = _owns(own_lead, own_end, s_owner, k, tile, stop, IGROUP, ISUPER)
     if lead_end > tile:
-        fin, f_owner, f_acc, f_m, f_l = finish_group(
+        fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -244,10 +249,11 @@ def attend_invariant(
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
         owner = owner | f_owner
+        own_lead, own_end = _owns(own_lead, own_end, s_owner, tile // IGROUP, tile, stop, IGROUP, ISUPER)
     if (stop % IGROUP != 0) & (stop < n_tiles) & (stop // IGROUP * IGROUP >= lead_end):
         # The range ends inside a group it began: publish the fold of its chunks of it.
         store_partial(ws_acc_ptr, ws_ml_ptr, pid * IGROUP + IGROUP - 1, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
-        fin, f_owner, f_acc, f_m, f_l = finish_group(
+        fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
             ws_acc_ptr,
             ws_ml_ptr,
             counter_ptr,
@@ -272,7 +278,18 @@ def attend_invariant(
         )
         done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
         owner = owner | f_owner
-    return done, owner, o_acc, o_m, o_l
+        own_lead, own_end = _owns(own_lead, own_end, s_owner, stop // IGROUP, tile, stop, IGROUP, ISUPER)
+    return done, owner, own_lead, own_end, o_acc, o_m, o_l
+
+
+@triton.jit
+def _owns(own_lead, own_end, s_owner, k, tile, stop, IGROUP: tl.constexpr, ISUPER: tl.constexpr):
+    """Which sliced supergroup folds a segment of chunks [tile, stop) owns, once it may own group
+    k's (``s_owner``): its first chunk's supergroup's, its last chunk's."""
+    sg = k // ISUPER
+    return own_lead | (s_owner & (sg == tile // IGROUP // ISUPER)), own_end | (
+        s_owner & (sg == (stop - 1) // IGROUP // ISUPER)
+    )
 
 
 @triton.jit

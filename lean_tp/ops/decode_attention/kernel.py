@@ -222,7 +222,7 @@ def decode_attention_fwd_kernel(
         k_scale = kv_scale(k_scale_ptr, h_kv, stride_ks, HAS_SCALES, E4M3_BITS)
         n_rows = tl.minimum(ROWS_TQ * GROUP - (hu % NUM_GC // NUM_VC) * BLOCK_G, BLOCK_G)  # real rows of the head unit
         if INVARIANT:
-            do_store, owner, b_acc, b_m, b_l = attend_invariant(
+            do_store, owner, own_lead, own_end, b_acc, b_m, b_l = attend_invariant(
                 b_q,
                 b_qt,
                 k_ptr,
@@ -358,10 +358,10 @@ def decode_attention_fwd_kernel(
             else:
                 if FOLD_SLICED:
                     finish_output(
-                        ws_acc_ptr, ws_ml_ptr, counter_ptr, out_ptr, lse_ptr, sinks_ptr, owner, pid, b, hu,
-                        out_start, n_tiles, total, n_active, num_programs, max_groups, HU, n_rows, HKV * GROUP,
-                        GROUP, TQ, SEQ_TOKENS, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS, IGROUP,
-                        ISUPER, MERGE_COLS, SLICE_WAVE, MERGE_POLLS,
+                        ws_acc_ptr, ws_ml_ptr, counter_ptr, out_ptr, lse_ptr, sinks_ptr, owner, own_lead, own_end,
+                        pid, b, hu, tile, seg_end - t, out_start, n_tiles, total, n_active, num_programs, max_groups,
+                        HU, n_rows, HKV * GROUP, GROUP, TQ, SEQ_TOKENS, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, NUM_VC,
+                        HAS_SINKS, IGROUP, ISUPER, MERGE_COLS, SLICE_WAVE, MERGE_POLLS,
                     )  # fmt: skip
                 if not INVARIANT:
                     do_store = (tile == 0) & (out_start + n_tiles <= t1)  # the program holds the whole output

@@ -233,6 +233,13 @@ INVARIANT_SUPER_GROUPS = 4
 # 3 holders gives 0.985x the time of whole folds (geomean), from 4 0.987x, from 5 0.992x, none
 # slower; from 2, the merge of H100 16 heads takes 1.4x at B=1 32k and 1.6x at B=4 128k.
 INVARIANT_SLICE_HOLDERS = 3
+# The same for a split supergroup (``output_fold.finish_super``), whose fold loads at most
+# INVARIANT_SUPER_GROUPS values, so its slices save less than a group's. In the simulator
+# (``_super_slices``), over the same shapes at 4k and 32k keys, slicing from 5 holders gives 0.978x
+# the time of whole supergroup folds (geomean; A100 16 heads B=1 4k 0.78x), none slower; from 3 or
+# 4, 0.976x, but a supergroup of 3 holders (2 helpers at most) or one whose holders stop waiting
+# before its last group is known takes up to 1.05x (A100 16 heads at 4k: B=8 Tq 2, B=16 Tq 1).
+INVARIANT_SUPER_SLICE_HOLDERS = 5
 
 # The interpreter runs programs one after another; a handful of programs still exercises every
 # straddling case the tests need, and keeps CPU test time down.

@@ -40,6 +40,7 @@ from lean_tp.ops.decode_attention.tuning import (
     INVARIANT_GROUP_CHUNKS,
     INVARIANT_SLICE_HOLDERS,
     INVARIANT_SUPER_GROUPS,
+    INVARIANT_SUPER_SLICE_HOLDERS,
     MERGE_POLLS,
 )
 from lean_tp.tools.gpus import GPUModel, loop_us
@@ -431,7 +432,7 @@ def _invariant_merges(
     merged (``_sliced_merge``, ``slice_wave`` slices loaded at once): by the program that makes the last
     known (taken as the holder that finishes last) and the holders in ``idle`` (their segment is
     their program's last) still waiting for it (``polls`` reads of its count); a split group's
-    chunks the same way (``_group_ready``)."""
+    chunks and a split supergroup's groups the same way (``_group_ready``, ``_super_slices``)."""
     pieces: dict[tuple[int, int], list[tuple[int, int, int, float, bool]]] = {}
     waits: dict[tuple[int, int], list[float]] = {}
     for p, segments in enumerate(programs):
@@ -457,13 +458,26 @@ def _invariant_merges(
         for k0 in range(0, len(groups), INVARIANT_SUPER_GROUPS):
             members = groups[k0 : k0 + INVARIANT_SUPER_GROUPS]
             t0, t1 = k0 * INVARIANT_GROUP_CHUNKS, min((k0 + len(members)) * INVARIANT_GROUP_CHUNKS, n)
-            counted = len({p for first, n_tiles, p, *_ in held if first < t1 and first + n_tiles > t0}) > 1
+            own = [x for x in held if x[0] < t1 and x[0] + x[1] > t0]
             ready = max(r for r, _ in members)
-            if len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
+            if slice_wave and len(members) > 1 and len(own) >= INVARIANT_SUPER_SLICE_HOLDERS:
+                ready += gpu.l2_latency_us + _super_slices(
+                    own,
+                    t1,
+                    ready,
+                    len(members),
+                    len(groups) <= INVARIANT_SUPER_GROUPS,
+                    partial,
+                    gpu,
+                    slices,
+                    slice_wave,
+                    polls,
+                )
+            elif len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
                 # The groups' values are stored, then loaded: one more L2 trip, as the default
                 # tree's second level pays (``_tree_merges``).
                 ready += gpu.l2_latency_us + _merge_level_us(
-                    len(members), wave, partial, gpu, counted and len(members) > 1
+                    len(members), wave, partial, gpu, len(own) > 1 and len(members) > 1
                 )
             supers.append((ready, max(c for _, c in members) + len(members)))
         finish, longest = max(supers)
@@ -483,6 +497,30 @@ def _invariant_merges(
             longest = max(c for _, c in supers) + len(supers)
         end, chain = max(end, finish), max(chain, longest)
     return end, chain
+
+
+def _super_slices(
+    own: list,
+    t1: int,
+    ready: float,
+    members: int,
+    output: bool,
+    partial: int,
+    gpu: GPUModel,
+    slices: int,
+    slice_wave: int,
+    polls: int,
+) -> float:
+    """Time of a split supergroup's fold in column slices (``output_fold.finish_super``), once its
+    last group is known at ``ready``: by the program that made it known (taken as the holder that
+    finishes last) and its holders whose segment is their program's last and ends in it, still
+    waiting (``polls`` reads of its count). An ``output`` of one supergroup is stored slice by
+    slice; a supergroup of a larger one is counted in."""
+    wait = polls * gpu.l2_latency_us
+    waiting = [x for x in own if x[4] and x[0] + x[1] <= t1 and ready - x[3] <= wait]
+    owner_idle = max(own, key=lambda x: x[3]) in waiting
+    mergers = max(1, len(waiting) + (not owner_idle))
+    return _sliced_merge(members, slice_wave, partial, gpu, slices, mergers, True, output)[0]
 
 
 def _group_ready(
