@@ -150,6 +150,24 @@ def test_one_sequence_of_128_heads_takes_16_row_blocks():
     assert plan_decode(**kimi).kernel.block_g == 64  # no column halves to replace: unmeasured there
 
 
+def test_drafts_in_one_narrow_row_block_are_one_sequence():
+    """One sequence whose Tq x heads rows fit one 16-row block (Kimi-K2's 8 heads at TP 8 with an
+    MTP draft) is planned as one token's call (``plan.is_one_sequence``): the same rows and
+    partials, so the entry's one-sequence cap of programs (sm_90: 128). DeepSeek-V3's 16 heads at
+    Tq 2 (32 rows), a second sequence and the batch-invariant mode are not."""
+    from lean_tp.ops.decode_attention.plan import is_one_sequence
+
+    def one_sequence(heads: int, tokens: int, lens: list[int], **kw) -> bool:
+        inputs = mla_inputs("paged64", heads, torch.bfloat16, seed=3, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+        q = inputs["q"][:, None].expand(len(lens), tokens, heads, KERNEL_DQK).contiguous()
+        return plan_decode(**dict(inputs, q=q), **kw).kernel.features.one_sequence
+
+    assert one_sequence(8, 2, [70]) and one_sequence(16, 1, [70]) and one_sequence(1, 16, [70])
+    assert not one_sequence(16, 2, [70]) and not one_sequence(8, 2, [70, 9])
+    assert not one_sequence(8, 2, [70], batch_invariant=True)
+    assert is_one_sequence(1, 1, 128, False) and not is_one_sequence(1, 2, 128, False)
+
+
 def test_a_grid_has_a_program_for_each_row_block():
     """MTP at DP attention (Tq 4 x 128 heads: 4 row blocks of 128, each in two column halves: 8
     head units) on a 3-program grid: the launcher grows the grid to 9, a program for each lane of

@@ -25,6 +25,7 @@ from lean_tp.ops.decode_attention.tuning import (
     MERGE_FANIN,
     MERGE_SLICE_WAVE_ELEMS,
     MIN_TILES_PER_PROGRAM,
+    NARROW_ROWS,
     SCHEDULE_BLOCK_B,
     DecodeConfig,
     block_g_for,
@@ -54,14 +55,18 @@ class Features:
     batch_invariant: bool = False
     # V is K's first columns (``cache.is_prefix_view``): the kernel takes V from K's tile.
     v_in_k: bool = False
-    # The call holds one sequence of one query token, in the default mode: an entry may compute it
-    # in narrower row blocks (``DecodeConfig.one_sequence_max_block_g``).
+    # The call holds one sequence of one query token (or of drafts in one narrow row block:
+    # ``is_one_sequence``), in the default mode: an entry may compute it in narrower row blocks and
+    # split it over more programs (``DecodeConfig.one_sequence_max_block_g``, ``_max_contributors``).
     one_sequence: bool = False
 
 
-def is_one_sequence(batch: int, num_tokens: int, batch_invariant: bool) -> bool:
-    """``Features.one_sequence`` of a call of ``batch`` sequences of ``num_tokens`` query tokens."""
-    return batch == 1 and num_tokens == 1 and not batch_invariant
+def is_one_sequence(batch: int, num_tokens: int, group: int, batch_invariant: bool) -> bool:
+    """``Features.one_sequence`` of a call of ``batch`` sequences of ``num_tokens`` query tokens
+    and ``group`` query heads a KV head: one sequence of one token, or of drafts whose Tq x group
+    rows fit one narrow row block (NARROW_ROWS: Kimi-K2's 8 heads at Tq 2), whose partials are as
+    narrow as one token's of the widest group that fits."""
+    return batch == 1 and not batch_invariant and (num_tokens == 1 or num_tokens * group <= NARROW_ROWS)
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:

@@ -420,9 +420,11 @@ _MLA_GLUON = "; 128+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72
 # (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128``, 128 for
 # every call, against 64): B=1 32k 48.6 against 54.2 us (16-bit) and 58.1 against 70.8 (e4m3),
 # B=1 4k and B=32 within 1%; at 128 heads within 1% everywhere. Only such a call takes 128
-# (one_sequence_max_contributors): MTP's Tq 2 merges 32-row partials, and the simulator puts
-# 128 there at 0.87x of 64 at 32k (docs/simulator/mla.md; unmeasured). The merge tree's chain
-# grows to 8 + 16 partials.
+# (one_sequence_max_contributors), and one sequence of drafts whose rows fit one 16-row block, the
+# same rows and partials (``plan.is_one_sequence``: Kimi-K2's 8 heads at Tq 2; unmeasured, the
+# simulator puts it on an H100 at 0.68x the time of 64 at 32k and 0.57x at 128k). DeepSeek-V3's
+# Tq 2 merges 32-row partials, and the simulator puts 128 there at 0.87x of 64 at 32k
+# (docs/simulator/mla.md; unmeasured). The merge tree's chain grows to 8 + 16 partials.
 _MLA_CONTRIBUTORS = "; one sequence of one token: 128 contributors, B=1 32k 1.11x (16-bit), 1.22x (e4m3) (H200)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
