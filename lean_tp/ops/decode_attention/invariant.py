@@ -20,17 +20,18 @@ Workspace slots (``store_partial``'s layout, BLOCK_G rows each):
   sequence, schedule.py): the output's group k's value at + k, supergroup s's at + max_groups + s
   (an output of one supergroup that one program holds keeps its last group in registers, and
   that program folds the others from their slots).
-Where the plan folds in column slices (SLICE_WAVE), a group or a supergroup held by
-INVARIANT_SLICE_HOLDERS programs or more and an output of several supergroups are folded in
-column slices that their holders with no tiles left share (``folds.finish_group``,
-``output_fold.finish_output``). Counters (``folds``' regions of num_programs each), at a fold's
-first holder p (a program's range ends in at most one group, supergroup and output that go on
-past it): a split group's arrivals, claimed slices and folded slices; a split supergroup's the
-same; a split output's known supergroups, claimed slices and contributors gone. A supergroup or
-output that one program holds needs none: its values are known in order, in that program. In a
-sliced kernel every contributor of a split output counts itself out, and the last zeroes the
-output's counters and its groups' and supergroups' (``output_fold._zero_counters``); elsewhere
-each count is zeroed by its last arriver.
+Where the plan folds in column slices (SLICE_WAVE), a group held by INVARIANT_SLICE_HOLDERS
+programs or more, a supergroup of several groups held by INVARIANT_SUPER_SLICE_HOLDERS or more and
+an output of several supergroups are folded in column slices that their holders with no tiles
+left share (``folds.finish_group``, ``output_fold.finish_super``, ``output_fold.finish_output``).
+Counters (``folds``' regions of num_programs each), at a fold's first holder p (a program's range
+ends in at most one group, supergroup and output that go on past it): a split group's arrivals,
+claimed slices and folded slices; a split supergroup's the same; a split output's known
+supergroups, claimed slices and contributors gone. A supergroup or output that one program holds
+needs none: its values are known in order, in that program. In a sliced kernel every contributor
+of a split output counts itself out, and the last zeroes the output's counters and its groups'
+and supergroups' (``output_fold._zero_counters``); elsewhere each count is zeroed by its last
+arriver.
 """
 
 import triton
