@@ -70,6 +70,17 @@ def test_mla_cuda(group, layout, dtype, tq, fp8):
     _check(out, lse, inputs, _atol(inputs))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_mla_cuda_one_sequence_of_drafts(fp8):
+    """Kimi-K2's TP-8 rank (8 heads) verifying one MTP draft of one sequence of 32k keys: its 16
+    rows are planned as one token's call (``plan.is_one_sequence``: on sm_90 up to 128 programs an
+    output), exact against float64."""
+    inputs = _inputs([32768], 8, torch.bfloat16, "paged64", 2, fp8, seed=8)
+    assert plan_decode(**inputs).kernel.features.one_sequence
+    out, lse = run_kernel(inputs)
+    _check(out, lse, inputs, _atol(inputs))
+
+
 @pytest.mark.parametrize("num_programs", [1, 3, 7, 264, 2000])
 def test_mla_cuda_forced_grids(num_programs):
     """DP attention's 128 heads (two lanes: the 128-row block's head units) on grids from one
