@@ -9,16 +9,9 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.chunks import empty_state, fold_pair
-from lean_tp.ops.decode_attention.merge import (
-    arrive,
-    await_count,
-    ends_within,
-    load_partial,
-    store_cols,
-    store_ml,
-    store_partial,
-)
+from lean_tp.ops.decode_attention.merge import arrive, load_partial, store_partial
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
+from lean_tp.ops.decode_attention.slices import slice_stored, takes_part
 from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS, INVARIANT_SUPER_SLICE_HOLDERS
 
 # The counters' regions (num_programs each, invariant.py), indexed by a fold's first holder: a
@@ -98,6 +91,12 @@ def count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order,
 
 
 @triton.jit
+def supers_of(n_tiles, IGROUP: tl.constexpr, ISUPER: tl.constexpr):
+    """Supergroups of an output of n_tiles chunks."""
+    return cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+
+
+@triton.jit
 def super_span(out_start, n_tiles, sg, IGROUP: tl.constexpr, ISUPER: tl.constexpr):
     """Supergroup sg of the output of tiles [out_start, out_start + n_tiles): its tiles [t0, t1)
     and groups [k0, k1)."""
@@ -149,7 +148,8 @@ def group_known(
     (SLICED), owns that fold (``output_fold.finish_output``, whose last leaver zeroes the counts).
     Returns (whether this program finished the output, whether it owns the output's sliced fold,
     whether it owns the supergroup's, and the output's state when it finished it)."""
-    t0, t_end, k0, k1 = super_span(out_start, n_tiles, k // ISUPER, IGROUP, ISUPER)
+    sg = k // ISUPER
+    t0, t_end, k0, k1 = super_span(out_start, n_tiles, sg, IGROUP, ISUPER)
     single = k1 - k0 == 1
     s_done = single
     if k1 - k0 > 1:
@@ -170,12 +170,12 @@ def group_known(
             acc, m, l = fold_slots(
                 ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
             )
-        n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+        n_supers = supers_of(n_tiles, IGROUP, ISUPER)
         done = n_supers == 1
         if n_supers > 1:
-            store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + k // ISUPER, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
+            store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + sg, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
             last = super_counted(
-                counter_ptr, k // ISUPER, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, SLICED
+                counter_ptr, sg, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, SLICED
             )
             if SLICED:
                 owner = last
@@ -204,7 +204,7 @@ def super_counted(
 ):
     """Count supergroup sg's value, stored in its slot, in at its output of several supergroups:
     True for the last to be known (without SLICED its count is zeroed there)."""
-    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    n_supers = supers_of(n_tiles, IGROUP, ISUPER)
     return count_in(
         counter_ptr + OUT_KNOWN * num_programs, out_start, out_start + n_tiles - 1, n_supers, total, n_active,
         sg == n_supers - 1, not SLICED,
@@ -272,11 +272,8 @@ def _fold_group_slices(
     the count (``merge.await_count``) and claim slices beside it. Whoever folds the last slice
     stores the value's m and l (every slice's are the same) and returns True: the value is known."""
     arrived = counter_ptr + GROUP_ARRIVED * num_programs + p_first
-    helps = owner
-    if (owner == 0) & ends_within(pid, g0, g1 - g0, total, n_active, 1):
-        helps = await_count(arrived, n_members, POLLS)
     known = False
-    if helps:
+    if takes_part(owner, arrived, n_members, pid, g0, g1 - g0, total, n_active, POLLS):
         claimed = counter_ptr + GROUP_CLAIMED * num_programs + p_first
         k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
         while k < BLOCK_D // COLS:
@@ -284,11 +281,8 @@ def _fold_group_slices(
             acc, m, l = _fold_group(
                 ws_acc_ptr, ws_ml_ptr, g0, g1, total, n_active, n_rows, c0, BLOCK_D, BLOCK_G, IGROUP, COLS, SLICE_WAVE
             )
-            store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D, BLOCK_G)
-            tl.debug_barrier()  # every thread's stores of the slice before the count
-            merged = tl.atomic_add(counter_ptr + GROUP_MERGED * num_programs + p_first, 1, sem="acq_rel", scope="gpu")
-            if merged == BLOCK_D // COLS - 1:
-                store_ml(ws_ml_ptr, o_slot, n_rows, m, l, BLOCK_G)
+            merged = counter_ptr + GROUP_MERGED * num_programs + p_first
+            if slice_stored(ws_acc_ptr, ws_ml_ptr, merged, o_slot, n_rows, acc, m, l, c0, BLOCK_D, BLOCK_G, COLS):
                 known = True
             k = tl.atomic_add(claimed, 1, sem="relaxed", scope="gpu")
     return known

@@ -19,10 +19,12 @@ from lean_tp.ops.decode_attention.folds import (
     super_counted,
     super_in_slices,
     super_span,
+    supers_of,
 )
-from lean_tp.ops.decode_attention.merge import await_count, ends_within, store_cols, store_ml
+from lean_tp.ops.decode_attention.merge import await_count, ends_within
 from lean_tp.ops.decode_attention.rows import store_output, unit_cols
-from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile
+from lean_tp.ops.decode_attention.schedule import program_of_tile
+from lean_tp.ops.decode_attention.slices import slice_stored, takes_part
 
 _REGIONS = tl.constexpr(INVARIANT_REGIONS)
 
@@ -77,7 +79,7 @@ def finish_output(
     several programs hold the output (of any number of supergroups), each counts itself out here,
     and the last zeroes the counters of the output and of its groups and supergroups
     (``_zero_counters``) for the next launch (or CUDA-graph replay)."""
-    n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+    n_supers = supers_of(n_tiles, IGROUP, ISUPER)
     p_first = program_of_tile(out_start, total, n_active, 1)
     p_last = program_of_tile(out_start + n_tiles - 1, total, n_active, 1)
     shared = p_first != p_last
@@ -174,11 +176,9 @@ def finish_super(
     out_owner = False
     if super_in_slices(t0, t1, k0, k1, total, n_active):
         p0 = program_of_tile(t0, total, n_active, 1)
-        helps = owner
-        if (owner == 0) & ends_within(pid, t0, t1 - t0, total, n_active, 1):
-            helps = await_count(counter_ptr + SUPER_ARRIVED * num_programs + p0, k1 - k0, POLLS)
-        if helps:
-            n_supers = cdiv(cdiv(n_tiles, IGROUP), ISUPER)
+        arrived = counter_ptr + SUPER_ARRIVED * num_programs + p0
+        if takes_part(owner, arrived, k1 - k0, pid, t0, t1 - t0, total, n_active, POLLS):
+            n_supers = supers_of(n_tiles, IGROUP, ISUPER)
             slot0 = out_slot0(s, hu, HU, num_programs, max_groups, IGROUP, ISUPER)
             o_slot = slot0 + max_groups + sg
             claimed = counter_ptr + SUPER_CLAIMED * num_programs + p0
@@ -194,13 +194,10 @@ def finish_super(
                         GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,
                     )  # fmt: skip
                 else:
-                    store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D, BLOCK_G)
-                    tl.debug_barrier()  # every thread's stores of the slice before the count
-                    merged = tl.atomic_add(
-                        counter_ptr + SUPER_MERGED * num_programs + p0, 1, sem="acq_rel", scope="gpu"
-                    )
-                    if merged == BLOCK_D // COLS - 1:
-                        store_ml(ws_ml_ptr, o_slot, n_rows, m, l, BLOCK_G)
+                    merged = counter_ptr + SUPER_MERGED * num_programs + p0
+                    if slice_stored(
+                        ws_acc_ptr, ws_ml_ptr, merged, o_slot, n_rows, acc, m, l, c0, BLOCK_D, BLOCK_G, COLS
+                    ):
                         out_owner = super_counted(
                             counter_ptr, sg, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, True
                         )

@@ -516,11 +516,18 @@ def _super_slices(
     finishes last) and its holders whose segment is their program's last and ends in it, still
     waiting (``polls`` reads of its count). An ``output`` of one supergroup is stored slice by
     slice; a supergroup of a larger one is counted in."""
-    wait = polls * gpu.l2_latency_us
-    waiting = [x for x in own if x[4] and x[0] + x[1] <= t1 and ready - x[3] <= wait]
-    owner_idle = max(own, key=lambda x: x[3]) in waiting
-    mergers = max(1, len(waiting) + (not owner_idle))
+    mergers = _sharers(own, t1, ready, polls * gpu.l2_latency_us)
     return _sliced_merge(members, slice_wave, partial, gpu, slices, mergers, True, output)[0]
+
+
+def _sharers(own: list, end: int, ready: float, wait: float) -> int:
+    """Programs that share a split group's or supergroup's fold in column slices, once its last
+    member is known at ``ready``: the holder that finishes last (taken as the owner) and the holders
+    in ``own`` whose segment is their program's last and ends by chunk ``end``, still waiting
+    (``wait``: their polls)."""
+    owner = max(own, key=lambda x: x[3])
+    waiting = [x for x in own if x[4] and x[0] + x[1] <= end and ready - x[3] <= wait]
+    return len(waiting) + (owner not in waiting)
 
 
 def _group_ready(
@@ -544,9 +551,7 @@ def _group_ready(
     ready = max(x[3] for x in own)
     loads = 1 + (g1 - (own[0][0] + own[0][1])) if len(own) > 1 else 0
     if loads and slice_wave and len(own) >= INVARIANT_SLICE_HOLDERS:  # a holder a segment
-        owner, wait = max(own, key=lambda x: x[3]), polls * gpu.l2_latency_us
-        helpers = [x for x in own if x is not owner and x[4] and x[0] + x[1] <= g1 and ready - x[3] <= wait]
-        mergers = 1 + len(helpers)
+        mergers = _sharers(own, g1, ready, polls * gpu.l2_latency_us)
         ready += gpu.l2_latency_us + _sliced_merge(loads, slice_wave, partial, gpu, slices, mergers, True, False)[0]
     elif loads:
         ready += _merge_level_us(loads, wave, partial, gpu)
