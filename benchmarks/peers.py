@@ -59,20 +59,28 @@ def _lean(s: Inputs):
 # MLA ablations: lean with its sm_90 entry changed, to tell the choices apart on a GPU. 16-row
 # blocks (sm_80's) read each latent row once a 16-row block (128 heads: 8 times, not 2); 32-key
 # blocks at 16 rows (the entry's block_n, not its narrow_block_n) are the loop the first H200
-# record measured, against which 64-key blocks (644 SASS an iteration against 2 x 501: kernel
+# record measured, against which 64-key blocks (660 SASS an iteration against 2 x 497: kernel
 # report) are modelled; at most 64 programs an output for one sequence of one token (the
 # entries' 128 give one long sequence at TP 8 every SM's loop, for a merge chain of 8 + 16
 # partials: the H200 measured 48.6 against 54.2 us at B=1 32k, tuning.py, _MLA_CONTRIBUTORS);
 # 64-row blocks at 128 heads (two row blocks of whole V rows, scores K q^T by mma.sync) are what
 # the entry's 128-row blocks in column halves replaced (tuning.py, _MLA_COLS); a merge's column
 # slices merged by its last arrivers alone, with no contributor waiting to share them (one read
-# of the counter), are what the shared slices replaced (merge.finish_split).
+# of the counter), are what the shared slices replaced (merge.finish_split). Two programs an SM
+# of 4 warps and 32-key blocks at 16 rows are the candidate for TP 8's loop-bound e4m3 cache: the
+# entry's one program of 8 warps takes 3.6x its issue time a 64-key iteration (2.73 us measured
+# at 16 bits, docs/mla.md). Compiled for sm_90 (triton 3.7.1, paged64) two such programs fit an
+# SM (255 registers and 91 KB e4m3, 168 and 92 KB at 16 bits; no K/V-loop spill), at 77 warp
+# instructions and 5392 bytes of shared-memory reads a key against the entry's 71 and 5520
+# (16-bit: 88 and 4768 against 83 and 4896): about the same work, in two loops whose latencies
+# the SM may overlap.
 MLA_ABLATIONS = {
     "lean-rows16": dict(max_block_g=16, scores_t_rows=None),
     "lean-keys32": dict(narrow_block_n=None),
     "lean-contributors64": dict(one_sequence_max_contributors=None),
     "lean-rows64": dict(max_block_g=64, split_v_rows=None),
     "lean-merge-alone": dict(merge_polls=1),
+    "lean-programs2": dict(narrow_block_n=None, num_warps=4, max_programs_per_sm=2),
 }
 
 

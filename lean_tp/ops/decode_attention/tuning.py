@@ -371,11 +371,11 @@ _MLA_ROWS64 = (
 # blocks warps 4-7 repeat warps 0-3's tiles, and each of the 8 warps reads all of q (16 x 576, 18 KB)
 # from shared memory every iteration. 64-key blocks give each warp 8 keys of its own: on sm_90 at 16
 # rows 660 SASS and 306 KB of shared-memory reads an iteration (222 registers, no K/V-loop spill, 2
-# K/V buffers, 165 KB of shared memory) against 2 x 501 and 2 x 266 KB for two 32-key iterations
-# (e4m3: 791 against 2 x 562; kernel report). The simulator's loop time for it is the measured
+# K/V buffers, 165 KB of shared memory) against 2 x 497 and 2 x 266 KB for two 32-key iterations
+# (e4m3: 571 against 2 x 449; kernel report). The simulator's loop time for it is the measured
 # 32-key loop scaled by SASS an iteration (``gpus.LOOP_US``). 64 rows keep 32-key blocks: 64-key
 # blocks of 64 rows take 304 KB of shared memory.
-_MLA_KEYS64 = "; 16-row blocks of 64 keys: 660 SASS an iteration against 2 x 501 at 32 (kernel report)"
+_MLA_KEYS64 = "; 16-row blocks of 64 keys: 660 SASS an iteration against 2 x 497 at 32 (kernel report)"
 # DP attention's 128 heads on sm_90 run as one 128-row block in two head units that each hold
 # half of V's columns (``split_v_rows``, ``rows.unit_cols``) and compute the whole score: q K^T as a
 # wgmma over the two warp groups (64 rows each) with q in shared memory, P.V (128 x 256 fp32: 128
