@@ -347,9 +347,12 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
 # 64 and 128 heads and Tq 4 reload 1-10 loop-invariant words an iteration; kernel report). The
 # batch-invariant variant keeps 16-row blocks: its loop holds two states, two 64 x 512 fp32
-# accumulators at 64 rows. sm_80 runs blocks of up to 32
-# rows: 64-row blocks there spill 2-6 local accesses an iteration (mma.sync for both products; 16-
-# and 32-key blocks, 3-5 stages, 16 warps tried). 32-row blocks (scores keys-major, merged in column
+# accumulators at 64 rows, and halving them does not keep sm_90's loop in registers either (128
+# heads, paged64, at 255 registers: 32-row blocks spill 28 local accesses an iteration, 38 with
+# every feature; a trial of 64-row blocks in two head units of 256 columns, two 64 x 256 states,
+# 35-40 and 42-122). sm_80 runs blocks of up to 32 rows: 64-row blocks there spill 2-6 local
+# accesses an iteration (mma.sync for both products; 16- and 32-key blocks, 3-5 stages, 16 warps
+# tried). 32-row blocks (scores keys-major, merged in column
 # slices) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
 # 32-key iteration against 2 x 459 for two 16-row blocks (e4m3 649 against 2 x 565; paged16), and
 # read 13.6 KB of shared memory a key against 2 x 8.8 KB: 128 heads read each latent row 4 times,
