@@ -131,8 +131,9 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         for b in pick([1, 8, 64], [1, 64])
         for n in pick([8192, 32768, 131072], [32768])
     ]
-    # DeepSeek-V3's MLA rank at TP 8 (16 heads) and under DP attention (128), 16-bit and fp8 latent
-    # pages of 64 rows (FlashMLA's page size), against FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
+    # DeepSeek-V3's MLA rank at TP 8 (16 heads) and under DP attention (128), and Kimi-K2's under DP
+    # attention (64), 16-bit and fp8 latent pages of 64 rows (FlashMLA's page size), against
+    # FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
     shapes += [
         Shape(
             "mla",
@@ -144,7 +145,7 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
             layout="paged64",
             kv=kv,
         )  # fmt: skip
-        for heads in (16, 128)
+        for heads in (16, 64, 128)
         for kv in ("same", "fp8")
         for b in pick([1, 8, 32, 128], [1, 32])
         for n in pick([4096, 32768], [4096, 32768])

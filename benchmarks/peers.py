@@ -98,7 +98,7 @@ def _lean_with(overrides: dict):
 
 
 def _lean_gluon(overlap: bool):
-    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, where sm_90's entry routes 128
+    """lean's sm_90 MLA kernel in Gluon (``lean_tp.ops.mla_gluon``, where sm_90's entry routes 64
     rows and more), with its serial loop or (``overlap``) its overlapped one: 16-bit latent pages of
     64 rows, heads in blocks of 64 (its checks name what it does not take). Its schedule is
     computed once a step, untimed, as FlashMLA's metadata is."""

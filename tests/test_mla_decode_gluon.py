@@ -380,7 +380,8 @@ def _routed_plan(plan_change: dict, **call):
         ({}, dict(), True),  # DP attention's 128 heads
         ({}, dict(heads=64, tq=2), True),  # Kimi-K2's 64 heads, MTP: 128 rows
         ({}, dict(heads=64, tq=4), True),
-        ({}, dict(heads=64), False),  # 64 rows, below the entry's 128 (unmeasured on a GPU)
+        ({}, dict(heads=64), True),  # Kimi-K2's 64 heads under DP: 64 rows, the kernel's block
+        ({"config": dict(gluon_rows=128)}, dict(heads=64), False),  # rows below an entry's gluon_rows
         ({}, dict(heads=64, tq=16), True),
         ({"config": dict(gluon_rows=None)}, dict(), False),  # no entry routes
         ({"config": dict(gluon_rows=256)}, dict(), False),
@@ -390,7 +391,7 @@ def _routed_plan(plan_change: dict, **call):
         ({"layout": dict(k_strides=(2 * 64 * 576, 576, 576))}, dict(), False),  # pages not contiguous
         ({"features": dict(fp8=torch.float8_e4m3fn)}, dict(), True),  # where an entry routes e4m3
         ({"features": dict(fp8=torch.float8_e5m2)}, dict(), False),
-        ({}, dict(heads=16, tq=4), False),  # 64 rows
+        ({}, dict(heads=16, tq=4), False),  # 64 rows, heads not in blocks of 64
         ({}, dict(heads=96), False),  # heads not in blocks of 64
         ({}, dict(dtype=torch.float16), False),
         ({}, dict(softcap=30.0), False),

@@ -738,11 +738,11 @@ def test_a_routed_e4m3_call_is_modelled_with_its_conversion(monkeypatch):
 
 
 def test_the_gluon_route_is_modelled_as_its_kernel():
-    """DP attention's 128 heads at 16 bits on sm_90 (and 64 heads of 2 tokens) run on the Gluon
-    kernel (``gluon_takes``, the cache in 64-row pages) and are modelled as it: one program an SM
-    in whole lanes, the merge a launch of its own, one sequence's output split over at most
-    MAX_CONTRIBUTORS programs. e4m3, 64 heads of one token, the A100 and the B200 keep the Triton
-    kernel's model."""
+    """DP attention's 128 heads at 16 bits on sm_90 (and Kimi-K2's 64, of 1 or 2 tokens) run on the
+    Gluon kernel (``gluon_takes``, the cache in 64-row pages) and are modelled as it: one program an
+    SM in whole lanes, the merge a launch of its own, one sequence's output split over at most
+    MAX_CONTRIBUTORS programs. e4m3, 16 heads of 4 tokens (64 rows, heads not in blocks of 64), the
+    A100 and the B200 keep the Triton kernel's model."""
     import dataclasses
 
     from lean_tp.tools.simulate.gluon import routes_to_gluon
@@ -752,7 +752,8 @@ def test_the_gluon_route_is_modelled_as_its_kernel():
         (dp, "H100", True),
         (dataclasses.replace(dp, lens=(65536,) * 32, n_heads=64, num_tokens=2), "H200", True),
         (dataclasses.replace(dp, elem_size=1), "H100", False),
-        (dataclasses.replace(dp, n_heads=64), "H100", False),
+        (dataclasses.replace(dp, n_heads=64), "H100", True),
+        (dataclasses.replace(dp, n_heads=16, num_tokens=4), "H100", False),
         (dp, "A100", False),
         (dp, "B200", False),
     ):

@@ -57,14 +57,14 @@ def test_mla_decode_gluon_reads_an_e4m3_pool(heads, tq, num_programs):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads,tq,fp8", [(128, 1, False), (64, 2, False), (128, 1, True)])
+@pytest.mark.parametrize("heads,tq,fp8", [(128, 1, False), (64, 1, False), (64, 2, False), (128, 1, True)])
 def test_decode_attention_runs_routed_calls_on_the_gluon_kernel(heads, tq, fp8, monkeypatch):
-    """A call sm_90's entry routes (128 rows: 128 heads, or 64 heads of 2 tokens) matches float64;
-    compiled with ``fullgraph=True`` and replayed from a CUDA graph it gives the same bits;
-    ``opcheck`` passes on the kernel itself. An e4m3 call with the e4m3 entry set to route 128
-    rows as the 16-bit one does (the table leaves it unset until this kernel is timed) does the
-    same at the problem's k and v scales (``opcheck`` without its schema test, which perturbs the
-    inputs arithmetically: torch has no e4m3 kernels for it; the 16-bit cases check the schema)."""
+    """A call sm_90's entry routes (64 rows or more: 128 heads, or Kimi-K2's 64 of 1 or 2 tokens)
+    matches float64; compiled with ``fullgraph=True`` and replayed from a CUDA graph it gives the
+    same bits; ``opcheck`` passes on the kernel itself. An e4m3 call with the e4m3 entry set to
+    route 128 rows (the table leaves it unset until this kernel is timed) does the same at the
+    problem's k and v scales (``opcheck`` without its schema test, which perturbs the inputs
+    arithmetically: torch has no e4m3 kernels for it; the 16-bit cases check the schema)."""
     from dataclasses import replace
 
     import lean_tp

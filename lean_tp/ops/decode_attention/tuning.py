@@ -408,16 +408,21 @@ _MLA_COLS = "; 128-row blocks in column halves (split_v_rows): a stage fewer at 
 # (H100, docs/simulator/mla.md; unmeasured), a cost no shape can tell apart from 4k's gain
 # (lengths are values: choosing by them would sync).
 _MLA_ONE_SEQUENCE = "; one sequence (B=1, Tq 1): 16-row blocks, 2.3x at 4k and 1.3x at 32k (H200 measured)"
-# DP attention's 128 heads at 16 bits run on the Gluon kernel (``lean_tp.ops.mla_gluon``: 64-row
+# DP attention's heads at 16 bits run on the Gluon kernel (``lean_tp.ops.mla_gluon``: 64-row
 # blocks with q and K/V in shared memory by TMA, both products on wgmma, a merge kernel of its
-# own). Measured on an H200 (docs/results/2026-11-27-nvidia-h200-5.json, DeepSeek-V3 paged64, the
-# benchmark's ``lean-gluon`` against this entry's Triton kernel): 1.72-1.95x from B=1 at 32k to
-# B=128 (B=32 32k 669 against 1276 us, B=128 32k 2721 against 4891), 0.95x at B=1 4k (38.6
-# against 36.8 us). 64 rows (Kimi-K2's 64 heads under DP) are unmeasured, so the route starts at
-# 128 rows (Tq x heads); fp16 stays on Triton (the kernel takes a bf16 q). The kernel reads e4m3
-# caches too (each block converted to bf16 in shared memory), untimed on a GPU: the e4m3 entry
-# sets no gluon_rows until benchmarks/mla_decode_gluon.py's e4m3 lines say it is faster.
-_MLA_GLUON = "; 128+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-1.95x but 0.95x at B=1 4k (H200)"
+# own). Measured on an H200 (docs/results/2026-11-27-nvidia-h200-5.json, DeepSeek-V3's 128 heads,
+# paged64, the benchmark's ``lean-gluon`` against this entry's Triton kernel): 1.72-1.95x from B=1
+# at 32k to B=128 (B=32 32k 669 against 1276 us, B=128 32k 2721 against 4891), 0.95x at B=1 4k
+# (38.6 against 36.8 us). Kimi-K2's 64 heads a token (64 rows, the kernel's block) route too: the
+# call is untimed, but both kernels' 64-row iterations are measured there (the Gluon kernel's 2.7
+# us for 64 keys, ``simulate.gluon.GLUON_LOOP_US``, against the Triton kernel's 64-row block at
+# 2.84 us for 32 keys, ``gpus.LOOP_US``) and the Gluon kernel's CUDA test runs 64 heads against
+# float64; the simulator gives Kimi-K2 under DP 1.6-1.8x from B=8 and 1.1-1.5x at B=1 (H100:
+# 0.96-1.05x FlashMLA from B=8, against 0.56-0.64x on the Triton kernel). fp16 stays on Triton
+# (the kernel takes a bf16 q). The kernel reads e4m3 caches too (each block converted to bf16 in
+# shared memory), untimed on a GPU: the e4m3 entry sets no gluon_rows until
+# benchmarks/mla_decode_gluon.py's e4m3 lines say it is faster.
+_MLA_GLUON = "; 64+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-1.95x but 0.95x at B=1 4k (H200)"
 # One long sequence of one token at TP 8 (16 heads, one row block) is split over at most
 # max_contributors programs: 64 leave half an H100's or H200's SMs idle. Measured on an H200
 # (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128``, 128 for
@@ -754,7 +759,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         split_v_fewer_stages=1,
         one_sequence_max_block_g=16,
         one_sequence_max_contributors=2 * MAX_CONTRIBUTORS,
-        gluon_rows=128,
+        gluon_rows=64,
         reason=_MLA
         + _MLA_ROWS64
         + _MLA_KEYS64

@@ -5,8 +5,9 @@ schedule ``mla_gluon_schedule`` computes once a step.
 ``lean_tp.decode_attention`` runs a call here through the op ``lean_tp::mla_decode_gluon`` (``op``)
 where the plan routes it (``launcher.gluon_takes``): 16-bit latent caches in 64-row pages, heads
 in 64-row blocks, up to 16 query tokens a sequence, and a tuning entry that sets
-``DecodeConfig.gluon_rows``: sm_90's 16-bit MLA entry routes 128 rows (Tq x heads) and more,
-DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md). The kernel
+``DecodeConfig.gluon_rows``: sm_90's 16-bit MLA entry routes 64 rows (Tq x heads) and more,
+DP attention's 128 heads (measured on an H200 against the Triton kernel: docs/mla.md) and Kimi-K2's
+64 (its iterations measured: tuning.py). The kernel
 also reads e4m3 pools (``mla_decode_gluon`` with ``k_scale`` and ``v_scale``; the op passes an
 e4m3 call's scales), and the e4m3 entry sets no ``gluon_rows``: its calls stay on the Triton
 kernel until a GPU has timed this one against it (benchmarks/mla_decode_gluon.py). So does the
