@@ -63,6 +63,7 @@ class Shape:
     layout: str = "contiguous"  # the cache layout every peer is given: "contiguous" or "paged<page size>"
     kv: str = "same"  # "same": the cache in the run's dtype; "fp8": float8_e4m3fn with scales
     window: int | None = None  # sliding window, in keys
+    tq: int = 1  # query tokens a sequence (MTP's verification: the last tq keys are its drafts)
 
     @property
     def mla(self) -> bool:
@@ -77,6 +78,7 @@ class Shape:
             "window": bool(self.window),
             "paged": self.layout != "contiguous",
             "mla": self.mla,
+            "tq": self.tq > 1,
         }
         return frozenset(name for name, on in wanted.items() if on)
 
@@ -104,6 +106,7 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
             Shape("window", "32", (300,) * 2, 8, 2, 64, window=32),
             Shape("layouts", "paged16", (150,) * 2, 8, 2, 64, layout="paged16"),
             Shape("mla", "TP 8", (150, 70), 16, 1, MLA_DIMS[0], layout="paged64"),
+            Shape("mla", "TP 8 Tq 2", (150, 70), 16, 1, MLA_DIMS[0], layout="paged64", tq=2),
         ]
     pick = (lambda full, few: few) if quick else (lambda full, few: full)
     contexts = pick([1 << k for k in range(10, 20)], [1024, 8192, 32768, 131072])  # 1k-512k
@@ -131,9 +134,9 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         for b in pick([1, 8, 64], [1, 64])
         for n in pick([8192, 32768, 131072], [32768])
     ]
-    # DeepSeek-V3's MLA rank at TP 8 (16 heads) and under DP attention (128), and Kimi-K2's under DP
-    # attention (64), 16-bit and fp8 latent pages of 64 rows (FlashMLA's page size), against
-    # FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
+    # DeepSeek-V3's MLA rank at TP 8 (16 heads) and under DP attention (128), 16-bit and fp8 latent
+    # pages of 64 rows (FlashMLA's page size), and Kimi-K2's under DP attention (64) at 16 bits,
+    # against FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
     shapes += [
         Shape(
             "mla",
@@ -149,6 +152,25 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         for kv in ("same", "fp8")
         for b in pick([1, 8, 32, 128], [1, 32])
         for n in pick([4096, 32768], [4096, 32768])
+        if heads != 64 or kv == "same"  # Kimi-K2's 64 heads: the Gluon route, 16-bit caches
+    ]
+    # MTP's verification (one draft: Tq 2) of DeepSeek-V3's ranks at 32k keys, against FlashMLA (the
+    # MLA peer whose wrapper passes query tokens: the others note that they were not given them).
+    shapes += [
+        Shape(
+            "mla",
+            f"{heads} heads {'fp8' if kv == 'fp8' else '16-bit'} Tq 2 B={b} 32k",
+            (32768,) * b,
+            heads,
+            1,
+            MLA_DIMS[0],
+            layout="paged64",
+            kv=kv,
+            tq=2,
+        )  # fmt: skip
+        for heads in (16, 128)
+        for kv in ("same", "fp8")
+        for b in pick([1, 8, 32], [32])
     ]
     return shapes
 
@@ -162,7 +184,7 @@ def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str
         page = int(shape.layout.removeprefix("paged"))
         kv_shape = (b * -(-cap // page), page, shape.hkv, shape.d)
     s = dict(
-        q=torch.randn(b, shape.hq, shape.d, device=device, dtype=dtype),
+        q=torch.randn(b, *((shape.tq,) if shape.tq > 1 else ()), shape.hq, shape.d, device=device, dtype=dtype),
         k_cache=torch.randn(kv_shape, device=device, dtype=dtype).to(cache_dtype),
         cache_seqlens=torch.tensor(shape.lens, dtype=torch.int32, device=device),
     )
@@ -182,9 +204,10 @@ def moved_bytes(shape: Shape, dtype: torch.dtype) -> int:
     """Bytes a kernel must move: the K/V each query can see (a window's keys only), q and out."""
     keys = sum(min(n, shape.window or n) for n in shape.lens)
     kv_size = 1 if shape.kv == "fp8" else dtype.itemsize
+    rows = len(shape.lens) * shape.tq * shape.hq  # q's and out's
     if shape.mla:  # one latent row a key; out is V's width
-        return keys * shape.d * kv_size + len(shape.lens) * shape.hq * (shape.d + MLA_DIMS[1]) * dtype.itemsize
-    return 2 * keys * shape.hkv * shape.d * kv_size + 2 * len(shape.lens) * shape.hq * shape.d * dtype.itemsize
+        return keys * shape.d * kv_size + rows * (shape.d + MLA_DIMS[1]) * dtype.itemsize
+    return 2 * keys * shape.hkv * shape.d * kv_size + 2 * rows * shape.d * dtype.itemsize
 
 
 class Timer:
@@ -245,7 +268,7 @@ def copy_bandwidth(device: torch.device) -> float:
 def input_sets(shape: Shape, dtype: torch.dtype, device: torch.device, l2_bytes: int) -> list[dict] | None:
     """Enough sets to keep the L2 cold between replays of one set; None if one set does not fit."""
     batch = len(shape.lens)
-    set_bytes = (2 * batch * shape.hkv * max(shape.lens) + batch * shape.hq) * shape.d * dtype.itemsize
+    set_bytes = (2 * batch * shape.hkv * max(shape.lens) + batch * shape.tq * shape.hq) * shape.d * dtype.itemsize
     count = max(1, min(64, math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes)))
     if device.type != "cuda":
         count = 1  # the dry run checks the plumbing; there is no L2 to keep cold

@@ -39,7 +39,7 @@ class Peer:
     triton: bool = False  # a Triton kernel: on CPU it runs in the interpreter, so it is timed only against Triton peers
     features: frozenset[str] = (
         frozenset()
-    )  # of "fp8", "window", "paged", "mla" (``Shape.features``): wired up here for this peer
+    )  # of "fp8", "window", "paged", "mla", "tq" (``Shape.features``): wired up here for this peer
     only: str | None = None  # a feature the shape must have for this peer to run (an ablation's)
 
     def unavailable(self, device: torch.device) -> str | None:
@@ -239,14 +239,19 @@ MLA_RANK = 512  # kv_lora_rank: V's width, the latent row's first 512 dims
 
 
 def _flashmla(s: Inputs):
-    """FlashMLA's dense decode (deepseek-ai/FlashMLA, sm_90a): pages of 64 latent rows. Its
-    ``get_mla_metadata`` takes the old interface's (cache_seqlens, rows per KV head, KV heads) and
-    ignores them in the new one, whose scheduler runs inside the first call."""
+    """FlashMLA's dense decode (deepseek-ai/FlashMLA, sm_90a): pages of 64 latent rows, and a
+    shape's query tokens as its causal s_q. Its ``get_mla_metadata`` takes the old interface's
+    (cache_seqlens, rows per KV head, KV heads) and ignores them in the new one, whose scheduler
+    runs inside the first call."""
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    q, lens = s["q"][:, None], s["cache_seqlens"]
-    meta, splits = get_mla_metadata(lens, q.shape[2], 1)
-    return lambda: flash_mla_with_kvcache(q, s["k_cache"], s["block_table"], lens, MLA_RANK, meta, splits)[0][:, 0]
+    tokens, lens = s["q"].dim() == 4, s["cache_seqlens"]
+    q = s["q"] if tokens else s["q"][:, None]  # (B, Tq, H, 576): draft tokens see the keys before them
+    meta, splits = get_mla_metadata(lens, q.shape[1] * q.shape[2], 1)
+    args = (q, s["k_cache"], s["block_table"], lens, MLA_RANK, meta, splits)
+    if tokens:
+        return lambda: flash_mla_with_kvcache(*args, causal=True)[0]
+    return lambda: flash_mla_with_kvcache(*args)[0][:, 0]
 
 
 def _flashinfer_mla(s: Inputs):
@@ -301,13 +306,15 @@ def _vllm_triton_mla(s: Inputs):
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla"})),
+        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})),
         *(
-            Peer(name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla"}), only="mla")
+            Peer(
+                name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla", "tq"}), only="mla"
+            )
             for name, overrides in MLA_ABLATIONS.items()
         ),
         *(
-            Peer(name, _lean_gluon(overlap), cuda_only=True, features=frozenset({"paged", "mla"}), only="mla")
+            Peer(name, _lean_gluon(overlap), cuda_only=True, features=frozenset({"paged", "mla", "tq"}), only="mla")
             for name, overlap in (("lean-gluon", False), ("lean-gluon-overlap", True))
         ),
         Peer("flash-decoding", _flash_decoding, triton=True),
@@ -316,7 +323,7 @@ PEERS: dict[str, Peer] = {
         Peer("varlen", _varlen, needs="torch.nn.attention.varlen", cuda_only=True),
         Peer("flash-attn", _flash_attn, needs="flash_attn", cuda_only=True),
         Peer("flashinfer", _flashinfer, needs="flashinfer", cuda_only=True, features=frozenset({"paged"})),
-        Peer("flashmla", _flashmla, needs="flash_mla", cuda_only=True, features=frozenset({"paged", "mla"})),
+        Peer("flashmla", _flashmla, needs="flash_mla", cuda_only=True, features=frozenset({"paged", "mla", "tq"})),
         Peer(
             "flashinfer-mla",
             _flashinfer_mla,

@@ -54,20 +54,32 @@ def test_dry_run_times_every_available_peer(dry_run):
 
 def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
     """The MLA sweep's plumbing (fp16: the MLA kernel takes a 16-bit q): lean decodes a latent cache
-    of 64-row pages with V its first 512 dims; the standard-attention peers do not take MLA, and the
-    MLA peers are skipped, each with why (all three need CUDA; vLLM disables Triton off the GPU)."""
+    of 64-row pages with V its first 512 dims, for one query token and for two (MTP's verification,
+    q (B, 2, H, 576)); the standard-attention peers do not take MLA, and the MLA peers are skipped,
+    each with why (all three need CUDA; vLLM disables Triton off the GPU; FlashInfer's and vLLM's
+    wrappers take no draft tokens)."""
     argv = [str(BENCH / "bench_decode.py"), "--dry", "--out", str(tmp_path), "--sweeps", "mla", "--dtypes", "fp16"]
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
-    assert (row["sweep"], row["x"], row["d"]) == ("mla", "TP 8", "576")
-    assert float(row["lean_us"]) > 0 and float(row["lean_pct_copy"]) > 0
-    for peer in ("flash-decoding", "sdpa", "flex"):
-        assert f"{peer}: not benchmarked with mla" in row["notes"]
-    for peer in ("flashmla", "flashinfer-mla", "vllm-triton-mla"):
-        assert f"{peer}: not installed" in row["notes"] or f"{peer}: needs CUDA" in row["notes"]
-    for ablation in MLA_ABLATIONS:  # lean with its entry changed: timed, and within the check of lean's output
-        assert float(row[f"{ablation}_us"]) > 0 and ablation not in row["notes"]
+    one, two = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
+    assert [(row["sweep"], row["x"], row["d"]) for row in (one, two)] == [
+        ("mla", "TP 8", "576"),
+        ("mla", "TP 8 Tq 2", "576"),
+    ]
+    for row in (one, two):
+        assert float(row["lean_us"]) > 0 and float(row["lean_pct_copy"]) > 0
+        for peer in ("flash-decoding", "sdpa", "flex"):
+            assert f"{peer}: not benchmarked with mla" in row["notes"]
+        for peer in ("flashmla", "flashinfer-mla", "vllm-triton-mla"):
+            untaken = row is two and peer != "flashmla"
+            why = (
+                (f"{peer}: not benchmarked with tq",) if untaken else (f"{peer}: not installed", f"{peer}: needs CUDA")
+            )
+            assert any(w in row["notes"] for w in why), (peer, row["notes"])
+        for ablation in MLA_ABLATIONS:  # lean with its entry changed: timed, and within the check of lean's output
+            assert float(row[f"{ablation}_us"]) > 0 and ablation not in row["notes"]
+    # q and out of two tokens move twice one token's rows, beside the same keys.
+    assert float(two["lean_gbps"]) * float(two["lean_us"]) > float(one["lean_gbps"]) * float(one["lean_us"])
 
 
 def test_dry_run_records_results_and_plots(dry_run):
