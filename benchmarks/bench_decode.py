@@ -424,10 +424,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     shapes = [s for s in sweeps(args.quick, args.dry) if not args.sweeps or s.sweep in args.sweeps]
     timer = Timer(device, DRY_REPS if args.dry else args.reps)
-    rows = [
-        bench_shape(s, dt, device, peers, timer, copy_bw, l2)
-        for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape")
-    ]
+    rows = []
+    for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape"):
+        rows.append(bench_shape(s, dt, device, peers, timer, copy_bw, l2))
+        write_tables(rows, env, args.out)
     write_results(rows, env, args.out)
     return rows
 
@@ -468,10 +468,10 @@ def record(rows: list[dict], env: dict) -> dict:
     return validate(env | dict(rows=timed, notes=notes))
 
 
-def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
+def write_tables(rows: list[dict], env: dict, out_dir: str) -> None:
+    """The wide CSV and the results record of the rows so far. Written after every shape, so a run
+    cut short (a GPU check step's timeout kills it) leaves the shapes it finished."""
     import json
-
-    from plots import plot_all
 
     os.makedirs(out_dir, exist_ok=True)
     fields = list(dict.fromkeys(k for row in rows for k in row))
@@ -482,6 +482,13 @@ def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
         writer.writerows(rows)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(record(rows, env), f, indent=1)
+
+
+def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
+    """The tables (``write_tables``), the plots and a line a row."""
+    from plots import plot_all
+
+    write_tables(rows, env, out_dir)
     plot_all(rows, env, out_dir)
     for row in rows:
         speedups = ", ".join(

@@ -136,6 +136,28 @@ def test_missing_or_failing_peer_is_reported_not_fatal(monkeypatch):
     assert row["lean_us"] > 0 and "speedup_vs_broken" not in row
 
 
+def test_a_run_cut_short_keeps_the_shapes_it_finished(monkeypatch, tmp_path):
+    """The CSV and the results record are written after every shape: a run killed during its second
+    shape (a GPU check step's timeout) leaves the first one's row in both."""
+    finished = []
+
+    def bench_shape(shape, *args):
+        if finished:
+            raise KeyboardInterrupt  # stands in for the kill: nothing after this runs
+        finished.append(shape)
+        return dict(sweep=shape.sweep, x=shape.x, dtype="float32", batch=1, hq=4, hkv=2, d=64,
+                    layout="contiguous", max_len=64, mean_len=64, lean_us=1.0, lean_gbps=1.0,
+                    lean_pct_copy=10.0, notes="")  # fmt: skip
+
+    monkeypatch.setattr(bench_decode, "bench_shape", bench_shape)
+    with pytest.raises(KeyboardInterrupt):
+        bench_decode.main(["--dry", "--sweeps", "context", "--out", str(tmp_path)])
+    (row,) = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
+    assert (row["x"], row["lean_us"]) == (finished[0].x, "1.0")
+    (timed,) = results.validate(json.load(open(tmp_path / "results.json")))["rows"]
+    assert (timed["x"], timed["impl"], timed["time_us"]) == (finished[0].x, "lean", 1.0)
+
+
 def test_moved_bytes_counts_lengths_not_capacity():
     shape = bench_decode.Shape("ragged", "x", (100, 10), 8, 2, 64)
     assert bench_decode.moved_bytes(shape, torch.bfloat16) == (2 * 110 * 2 * 64 + 2 * 2 * 8 * 64) * 2
