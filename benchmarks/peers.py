@@ -257,10 +257,13 @@ def _flashmla(s: Inputs):
 def _flashinfer_mla(s: Inputs):
     """FlashInfer's MLA (``BatchMLAPagedAttentionWrapper``; its Hopper kernel on sm_90) over copies of
     the latent pages as its two tensors, the 512 compressed and the 64 rope dims; ``plan`` untimed.
-    An e4m3 cache takes the shape's per-tensor scale for both (FlashInfer takes e4m3 on sm_90 only)."""
+    A shape's query tokens are each request's rows of q, causal (the last sees every key). An e4m3
+    cache takes the shape's per-tensor scale for both (FlashInfer takes e4m3 on sm_90 only)."""
     import flashinfer
 
-    q, lens, table, cache = s["q"], s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
+    tq = s["q"].shape[1] if s["q"].dim() == 4 else 1
+    q = s["q"].reshape(-1, *s["q"].shape[-2:])  # (B x Tq, H, 576)
+    lens, table, cache = s["cache_seqlens"], s["block_table"], s["k_cache"][:, :, 0]
     fp8 = cache.dtype == torch.float8_e4m3fn
     run_args = inspect.signature(flashinfer.mla.BatchMLAPagedAttentionWrapper.run).parameters if fp8 else {}
     if fp8 and "ckv_scale" not in run_args:  # FlashInfer's e4m3 MLA cache came with its scales
@@ -269,16 +272,16 @@ def _flashinfer_mla(s: Inputs):
     used = (lens + page - 1) // page
     indptr = torch.cat([used.new_zeros(1), used.cumsum(0)]).int()
     indices = torch.cat([table[b, : int(n)] for b, n in enumerate(used.tolist())]).int()
-    q_indptr = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
+    q_indptr = tq * torch.arange(len(lens) + 1, device=q.device, dtype=torch.int32)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
     rope = cache.shape[-1] - MLA_RANK
-    wrapper.plan(q_indptr, indptr, indices, lens, q.shape[1], MLA_RANK, rope, page, False, q.shape[-1] ** -0.5,
+    wrapper.plan(q_indptr, indptr, indices, lens, q.shape[1], MLA_RANK, rope, page, tq > 1, q.shape[-1] ** -0.5,
                  q.dtype, cache.dtype)  # fmt: skip
     q_nope, q_pe = q[..., :MLA_RANK].contiguous(), q[..., MLA_RANK:].contiguous()
     ckv, kpe = cache[..., :MLA_RANK].contiguous(), cache[..., MLA_RANK:].contiguous()
     scales = dict(ckv_scale=float(s["k_scale"]), kpe_scale=float(s["k_scale"])) if fp8 else {}
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, **scales)
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, **scales).view(*s["q"].shape[:-1], MLA_RANK)
 
 
 def _vllm_triton_mla(s: Inputs):
@@ -329,7 +332,7 @@ PEERS: dict[str, Peer] = {
             _flashinfer_mla,
             needs="flashinfer",
             cuda_only=True,
-            features=frozenset({"paged", "mla", "fp8"}),
+            features=frozenset({"paged", "mla", "fp8", "tq"}),
         ),
         Peer(
             "vllm-triton-mla",

@@ -56,8 +56,8 @@ def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
     """The MLA sweep's plumbing (fp16: the MLA kernel takes a 16-bit q): lean decodes a latent cache
     of 64-row pages with V its first 512 dims, for one query token and for two (MTP's verification,
     q (B, 2, H, 576)); the standard-attention peers do not take MLA, and the MLA peers are skipped,
-    each with why (all three need CUDA; vLLM disables Triton off the GPU; FlashInfer's and vLLM's
-    wrappers take no draft tokens)."""
+    each with why (all three need CUDA; vLLM disables Triton off the GPU; vLLM's wrapper takes no
+    draft tokens)."""
     argv = [str(BENCH / "bench_decode.py"), "--dry", "--out", str(tmp_path), "--sweeps", "mla", "--dtypes", "fp16"]
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,7 +71,7 @@ def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
         for peer in ("flash-decoding", "sdpa", "flex"):
             assert f"{peer}: not benchmarked with mla" in row["notes"]
         for peer in ("flashmla", "flashinfer-mla", "vllm-triton-mla"):
-            untaken = row is two and peer != "flashmla"
+            untaken = row is two and peer == "vllm-triton-mla"
             why = (
                 (f"{peer}: not benchmarked with tq",) if untaken else (f"{peer}: not installed", f"{peer}: needs CUDA")
             )
@@ -252,3 +252,47 @@ def test_flashinfer_pages_hold_each_sequences_keys_in_table_order():
     for b, n in enumerate(shape.lens):
         keys = torch.cat([k[table[b, p]] for p in range(-(-n // 16))], dim=1)[:, :n]  # (Hkv, n, D)
         torch.testing.assert_close(keys, s["k_cache"][b, :, :n], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tq", [1, 2])
+def test_mla_peers_are_given_query_tokens_as_their_apis_take_them(monkeypatch, tq):
+    """FlashMLA's and FlashInfer's MLA wrappers over stand-in modules that record their calls (the
+    packages need CUDA): FlashMLA gets q as (B, Tq, H, 576) with ``causal`` for draft tokens and its
+    metadata sized Tq x heads; FlashInfer's plan gets Tq rows a request (qo_indptr) and ``causal``,
+    its run q as (B x Tq, H, 512 + 64). Both return out shaped as lean's: (B, [Tq,] H, 512)."""
+    import types
+
+    from peers import MLA_RANK
+
+    calls = {}
+
+    def flash_mla_with_kvcache(q, k_cache, table, lens, dv, meta, splits, causal=False):
+        calls["flashmla"] = (tuple(q.shape), causal, meta)
+        return torch.zeros(*q.shape[:-1], dv), None
+
+    class Wrapper:
+        def __init__(self, workspace):
+            pass
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, kv_lens, heads, ckv, kpe, page, causal, scale, *dtypes):
+            calls["plan"] = (qo_indptr.tolist(), heads, causal)
+
+        def run(self, q_nope, q_pe, ckv, kpe):
+            calls["run"] = (tuple(q_nope.shape), tuple(q_pe.shape))
+            return torch.zeros(*q_nope.shape[:-1], MLA_RANK)
+
+    flash_mla = types.SimpleNamespace(
+        flash_mla_with_kvcache=flash_mla_with_kvcache, get_mla_metadata=lambda *a: (a, None)
+    )
+    flashinfer = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=Wrapper))
+    monkeypatch.setitem(sys.modules, "flash_mla", flash_mla)
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    shape = bench_decode.Shape("mla", "x", (150, 70, 5), 16, 1, 576, layout="paged64", tq=tq)
+    s = bench_decode.make_set(shape, torch.bfloat16, torch.device("cpu"))
+    lean_shape = (3, *((tq,) if tq > 1 else ()), 16, MLA_RANK)
+    assert PEERS["flashmla"].prepare(s)().shape == lean_shape
+    (q_shape, causal, meta) = calls["flashmla"]
+    assert q_shape == (3, tq, 16, 576) and causal == (tq > 1) and meta[1:] == (tq * 16, 1)
+    assert PEERS["flashinfer-mla"].prepare(s)().shape == lean_shape
+    assert calls["plan"] == ([0, tq, 2 * tq, 3 * tq], 16, tq > 1)
+    assert calls["run"] == ((3 * tq, 16, MLA_RANK), (3 * tq, 16, 64))
