@@ -154,8 +154,8 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
         for n in pick([4096, 32768], [4096, 32768])
         if heads != 64 or kv == "same"  # Kimi-K2's 64 heads: the Gluon route, 16-bit caches
     ]
-    # MTP's verification (one draft: Tq 2) of DeepSeek-V3's ranks at 32k keys, against FlashMLA and
-    # FlashInfer's MLA (causal query tokens; vLLM's wrapper notes that it was not given them).
+    # MTP's verification (one draft: Tq 2) of DeepSeek-V3's ranks at 32k keys: each peer given the
+    # query tokens as its API takes them (peers.py).
     shapes += [
         Shape(
             "mla",

@@ -287,10 +287,15 @@ def _flashinfer_mla(s: Inputs):
 def _vllm_triton_mla(s: Inputs):
     """vLLM's Triton MLA decode (``decode_attention_fwd`` with ``is_mla``), with the split count
     its backend picks (the simulator's ``triton_mla_split_count``) and its fp32 scratch allocated
-    here, untimed."""
+    here, untimed. A shape's query tokens run as vLLM's backend runs drafts: each a row of its own,
+    its length its keys (the request's, less the drafts after it) and its request's pages."""
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
-    q, lens, kv = s["q"], s["cache_seqlens"], s["k_cache"]
+    q, lens, kv, table = s["q"], s["cache_seqlens"], s["k_cache"], s["block_table"]
+    if q.dim() == 4:  # (B, Tq, H, 576): token t of a request sees its first len - Tq + 1 + t keys
+        tq = q.shape[1]
+        q, table = q.reshape(-1, *q.shape[2:]), table.repeat_interleave(tq, dim=0)
+        lens = (lens[:, None] - tq + 1 + torch.arange(tq, device=lens.device)).reshape(-1).int()
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     splits = triton_mla_split_count(int(lens.max()), sms)
     out = q.new_empty(q.shape[0], q.shape[1], MLA_RANK)
@@ -299,9 +304,9 @@ def _vllm_triton_mla(s: Inputs):
     v = kv[..., :MLA_RANK]
 
     def run() -> torch.Tensor:
-        decode_attention_fwd(q, kv, v, out, lse, s["block_table"], lens, logits, splits, q.shape[-1] ** -0.5,
+        decode_attention_fwd(q, kv, v, out, lse, table, lens, logits, splits, q.shape[-1] ** -0.5,
                              kv.shape[1], is_mla=True)  # fmt: skip
-        return out
+        return out.view(*s["q"].shape[:-1], MLA_RANK)
 
     return run
 
@@ -340,7 +345,7 @@ PEERS: dict[str, Peer] = {
             needs="vllm",
             cuda_only=True,  # vLLM's CPU build disables Triton
             triton=True,
-            features=frozenset({"paged", "mla", "fp8"}),
+            features=frozenset({"paged", "mla", "fp8", "tq"}),
         ),
     )
 }
