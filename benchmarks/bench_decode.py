@@ -138,16 +138,7 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
     # pages of 64 rows (FlashMLA's page size), and Kimi-K2's under DP attention (64) at 16 bits,
     # against FlashMLA, FlashInfer's MLA and vLLM's Triton MLA.
     shapes += [
-        Shape(
-            "mla",
-            f"{heads} heads {'fp8' if kv == 'fp8' else '16-bit'} B={b} {n >> 10}k",
-            (n,) * b,
-            heads,
-            1,
-            MLA_DIMS[0],
-            layout="paged64",
-            kv=kv,
-        )  # fmt: skip
+        mla_shape(heads, kv, b, n)
         for heads in (16, 64, 128)
         for kv in ("same", "fp8")
         for b in pick([1, 8, 32, 128], [1, 32])
@@ -157,22 +148,21 @@ def sweeps(quick: bool, dry: bool) -> list[Shape]:
     # MTP's verification (one draft: Tq 2) of DeepSeek-V3's ranks at 32k keys: each peer given the
     # query tokens as its API takes them (peers.py).
     shapes += [
-        Shape(
-            "mla",
-            f"{heads} heads {'fp8' if kv == 'fp8' else '16-bit'} Tq 2 B={b} 32k",
-            (32768,) * b,
-            heads,
-            1,
-            MLA_DIMS[0],
-            layout="paged64",
-            kv=kv,
-            tq=2,
-        )  # fmt: skip
+        mla_shape(heads, kv, b, 32768, tq=2)
         for heads in (16, 128)
         for kv in ("same", "fp8")
         for b in pick([1, 8, 32], [32])
     ]
     return shapes
+
+
+def mla_shape(heads: int, kv: str, batch: int, keys: int, tq: int = 1) -> Shape:
+    """An MLA sweep shape: ``batch`` sequences of ``keys`` keys in one latent head's 64-row pages,
+    ``heads`` query heads, ``tq`` query tokens each."""
+    cache = "fp8" if kv == "fp8" else "16-bit"
+    tokens = f" Tq {tq}" if tq > 1 else ""
+    label = f"{heads} heads {cache}{tokens} B={batch} {keys >> 10}k"
+    return Shape("mla", label, (keys,) * batch, heads, 1, MLA_DIMS[0], layout="paged64", kv=kv, tq=tq)
 
 
 def make_set(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -428,7 +418,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for dt, s in cli.progress([(dt, s) for dt in dtypes for s in shapes], desc="bench", unit="shape"):
         rows.append(bench_shape(s, dt, device, peers, timer, copy_bw, l2))
         write_tables(rows, env, args.out)
-    write_results(rows, env, args.out)
+    write_plots(rows, env, args.out)
     return rows
 
 
@@ -484,11 +474,10 @@ def write_tables(rows: list[dict], env: dict, out_dir: str) -> None:
         json.dump(record(rows, env), f, indent=1)
 
 
-def write_results(rows: list[dict], env: dict, out_dir: str) -> None:
-    """The tables (``write_tables``), the plots and a line a row."""
+def write_plots(rows: list[dict], env: dict, out_dir: str) -> None:
+    """The plots and a line a row, once every shape's row is in the tables (``write_tables``)."""
     from plots import plot_all
 
-    write_tables(rows, env, out_dir)
     plot_all(rows, env, out_dir)
     for row in rows:
         speedups = ", ".join(

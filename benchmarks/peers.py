@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from flash_decoding import flash_decoding
 
 import lean_tp
+from lean_tp.ops.decode_attention.launch_args import token_lengths
 from lean_tp.ops.decode_attention.launcher import decode_attention_fwd
 from lean_tp.ops.decode_attention.tuning import get_config
 from lean_tp.tools.simulate import triton_mla_split_count
@@ -292,10 +293,9 @@ def _vllm_triton_mla(s: Inputs):
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
     q, lens, kv, table = s["q"], s["cache_seqlens"], s["k_cache"], s["block_table"]
-    if q.dim() == 4:  # (B, Tq, H, 576): token t of a request sees its first len - Tq + 1 + t keys
+    if q.dim() == 4:  # (B, Tq, H, 576): a row a token, its keys those it sees (token_lengths)
         tq = q.shape[1]
-        q, table = q.reshape(-1, *q.shape[2:]), table.repeat_interleave(tq, dim=0)
-        lens = (lens[:, None] - tq + 1 + torch.arange(tq, device=lens.device)).reshape(-1).int()
+        q, table, lens = q.reshape(-1, *q.shape[2:]), table.repeat_interleave(tq, dim=0), token_lengths(lens, tq)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     splits = triton_mla_split_count(int(lens.max()), sms)
     out = q.new_empty(q.shape[0], q.shape[1], MLA_RANK)
