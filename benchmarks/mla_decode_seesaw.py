@@ -20,13 +20,14 @@ group:
   scores of a block multiply the half that was reloaded first first.
 
 Compiled for sm_90: 256 registers a thread in both groups (setmaxnreg), 231716 bytes of shared
-memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory); 74 local
-accesses on triton 3.7.1 (77 on 3.6, 236 on 3.9), 68 of them in group 1's code, the worker
-partition's: either group has 2 as the default partition and 64-68 as the worker, 64-bit values
-reloaded just before the HGMMAs (their operand descriptors, hoisted out of the loop). With a
-pair's odd block behind a branch inside the loop the worker spills 110, so the pairs with both
-blocks run in the loop and a last even block after it; a third, one-warp partition issuing the
-copies would leave the groups 240 registers, at 250 spills. Not yet run on a GPU. ``--json``: the
+memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory), no local
+memory on triton 3.6, 3.7.1 and 3.9; each group's loop over a pair of blocks 1298 and 1428 SASS
+(3.7.1). The loops index q's and the K/V buffers at a runtime 0 (``zero``): at constant indices
+the worker partition reloaded its operand descriptors from local memory just before the HGMMAs
+(74 local accesses on 3.7.1, 77 on 3.6, 236 on 3.9), and with a pair's odd block behind a branch
+inside the loop it spilled 110, so the pairs with both blocks run in the loop and a last even
+block after it; a third, one-warp partition issuing the copies would leave the groups 240
+registers, at 250 spills (both at constant indices). Not yet run on a GPU. ``--json``: the
 compiled statistics; on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the
 Gluon kernel (its serial and overlapped loops) on one head unit an SM.
 """
@@ -115,7 +116,7 @@ def _scores(
 
 
 @gluon.jit
-def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
+def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2, zero):
     """Warp group 0: even blocks' scores, output columns [0, 256), the row max's owner at a pair's
     start, the lse. bars: q, q rope copied, m0 ready, m1 ready, P0 ready, P1 ready, l1 ready, l
     ready. The pairs with both blocks run in the loop, a last even block alone after it (a
@@ -128,9 +129,9 @@ def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
     l = gl.zeros([64], gl.float32, row_s)
     o = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
     for i in range(n_blocks // 2):
-        m, l, o = _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, True)
+        m, l, o = _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, True, i & zero)
     if n_blocks % 2 == 1:
-        m, l, o = _pair0(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, m, l, o, False)
+        m, l, o = _pair0(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, m, l, o, False, zero)
     mbarrier.wait(bars.index(6), 0)
     l = l + exch.slice(1 * 64, 64).load(row_s)
     exch.slice(0 * 64, 64).store(l)
@@ -141,7 +142,7 @@ def _group0(shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2):
 
 
 @gluon.jit
-def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.constexpr):
+def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.constexpr, z):
     """Group 0's part of pair i: block 2i's scores and P0.V, then block 2i + 1's P1.V where the
     pair has it. It reloads buffer 0's left half (only it reads that) after its P0.V, and buffer
     1's left half after its P1.V (group 1's scores of that block are done: P1 was ready)."""
@@ -150,7 +151,9 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
     row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     ph = i & 1
     valid = gl.minimum(n - 2 * i * BLOCK_N, BLOCK_N)
-    s = _scores(qn_smem, q_rope, kn_smem.index(0), kr_smem.index(0), full, 0, ph, scale_log2, valid, False, S_LAYOUT)
+    s = _scores(
+        qn_smem.index(z), q_rope, kn_smem.index(z), kr_smem.index(z), full, 0, ph, scale_log2, valid, False, S_LAYOUT
+    )
     m0 = gl.maximum(m, gl.max(s, axis=1))
     scale0 = gl.exp2(m - m0)
     exch.slice(0 * 64, 64).store(m0)
@@ -163,7 +166,7 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
         zero_rows_from(kn_smem.index(0), valid)
     o = o * gl.expand_dims(gl.convert_layout(scale0, row_o), 1)
     p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
-    o = warpgroup_mma(p_a, kn_smem.index(0).slice(0, HALF, dim=1), o, is_async=True)
+    o = warpgroup_mma(p_a, kn_smem.index(z).slice(0, HALF, dim=1), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     cta_barrier()
     _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, False)
@@ -180,7 +183,7 @@ def _pair0(shared, q_rope, i, n, n_blocks, scale_log2, m, l, o, HAS_ODD: gl.cons
     l = l * scale1
     if HAS_ODD:
         mbarrier.wait(bars.index(5), ph)
-        o = warpgroup_mma(qr_smem, kn_smem.index(1).slice(0, HALF, dim=1), o, is_async=True)
+        o = warpgroup_mma(qr_smem, kn_smem.index(1 + z).slice(0, HALF, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         cta_barrier()
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 1, 2 * i + 3, n_blocks, False)
@@ -205,7 +208,7 @@ def _take_max(exch, bars, ph, row_max):
 
 
 @gluon.jit
-def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
+def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2, zero):
     """Warp group 1: odd blocks' scores and output columns [256, 512); the pairs with both blocks
     in the loop, a last even block's P0.V after it."""
     qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages = shared
@@ -215,9 +218,9 @@ def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
     l = gl.zeros([64], gl.float32, row_s)
     o = gl.zeros([64, HALF], gl.float32, O_LAYOUT)
     for i in range(n_blocks // 2):
-        l, o = _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, True)
+        l, o = _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, True, i & zero)
     if n_blocks % 2 == 1:
-        l, o = _pair1(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, l, o, False)
+        l, o = _pair1(shared, q_rope, n_blocks // 2, n, n_blocks, scale_log2, l, o, False, zero)
     # Slots 0 and 1 are free: group 0 writes m0 and its rescale no more, and read group 1's last
     # m1 before the P0 this group waited for.
     exch.slice(1 * 64, 64).store(l)
@@ -228,7 +231,7 @@ def _group1(shared, out_ptr, row0, n, n_blocks, scale_log2):
 
 
 @gluon.jit
-def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constexpr):
+def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constexpr, z):
     """Group 1's part of pair i: block 2i + 1's scores and P1.V where the pair has it, then block
     2i's P0.V. It reloads buffer 1's right half (only it reads that) after its P1.V, and buffer 0's
     right half after its P0.V (group 0's scores of that block are done: P0 was ready)."""
@@ -238,7 +241,19 @@ def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constex
     ph = i & 1
     if HAS_ODD:
         valid = gl.minimum(n - (2 * i + 1) * BLOCK_N, BLOCK_N)
-        s = _scores(qn_smem, q_rope, kn_smem.index(1), kr_smem.index(1), full, 1, ph, scale_log2, valid, True, S_LAYOUT)
+        s = _scores(
+            qn_smem.index(z),
+            q_rope,
+            kn_smem.index(1 + z),
+            kr_smem.index(1 + z),
+            full,
+            1,
+            ph,
+            scale_log2,
+            valid,
+            True,
+            S_LAYOUT,
+        )
         m1, scale = _take_max(exch, bars, ph, gl.max(s, axis=1))
         o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
         p = gl.exp2(s - gl.expand_dims(m1, 1))
@@ -246,7 +261,7 @@ def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constex
         if valid < BLOCK_N:
             zero_rows_from(kn_smem.index(1), valid)
         p_a = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
-        o = warpgroup_mma(p_a, kn_smem.index(1).slice(HALF, HALF, dim=1), o, is_async=True)
+        o = warpgroup_mma(p_a, kn_smem.index(1 + z).slice(HALF, HALF, dim=1), o, is_async=True)
         # P1 into q's rope buffer: group 0 read that buffer's q before the loop, and its P1.V of
         # the last pair before it reloaded buffer 1's left half, which these scores waited for.
         qr_smem.store(p_a)
@@ -261,7 +276,7 @@ def _pair1(shared, q_rope, i, n, n_blocks, scale_log2, l, o, HAS_ODD: gl.constex
         o = o * gl.expand_dims(gl.convert_layout(scale, row_o), 1)
         l = l * scale
     mbarrier.wait(bars.index(4), ph)
-    o = warpgroup_mma(sp0, kn_smem.index(0).slice(HALF, HALF, dim=1), o, is_async=True)
+    o = warpgroup_mma(sp0, kn_smem.index(z).slice(HALF, HALF, dim=1), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     cta_barrier()
     _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, 0, 2 * i + 2, n_blocks, True)
@@ -279,15 +294,21 @@ def _store_half(out_ptr, row0, col0, o, l):
     gl.store(out_ptr + gl.expand_dims(rows, 1) * DV + gl.expand_dims(cols, 0), out.to(gl.bfloat16))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["zero"])
 def mla_seesaw_kernel(
     qn_desc, qr_desc, kn_desc, kr_desc, out_ptr, lse_ptr, seqlens_ptr, block_table_ptr, table_stride, scale_log2,
-    HU: gl.constexpr,
+    zero, HU: gl.constexpr,
 ):  # fmt: skip
     """Program p: rows [64 p, 64 p + 64) of q (head unit p % HU of sequence p // HU) against the
     sequence's seqlens[b] keys on pages block_table[b, :]; out [rows, 512] bf16, lse [rows] fp32.
-    kn_desc: [pages x 64, 256] boxes (half a block's latent columns), kr_desc [pages x 64, 64]."""
-    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, DV], qn_desc.layout)
+    kn_desc: [pages x 64, 256] boxes (half a block's latent columns), kr_desc [pages x 64, 64].
+
+    ``zero`` is 0: the loops index q's and the K/V buffers at ``i & zero`` (+ 1), not at constants.
+    With constant indices every operand descriptor of a pair's 44 HGMMAs (64 bits each) is loop
+    invariant, LLVM computes them all before the loop, and the worker partition spills them (74
+    local accesses, 34 in its loop); from an index the compiler cannot fold they are formed in the
+    loop by uniform adds, and neither partition touches local memory."""
+    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, DV], qn_desc.layout)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, DR], qr_desc.layout)
     kn_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], qn_desc.layout)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], kr_desc.layout)
@@ -307,7 +328,7 @@ def mla_seesaw_kernel(
     n_blocks = (n + BLOCK_N - 1) // BLOCK_N
     pages = block_table_ptr + b * table_stride
     mbarrier.expect(bars.index(0), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma_load(qn_desc, [row0, 0], bars.index(0), qn_smem)
+    tma_load(qn_desc, [row0, 0], bars.index(0), qn_smem.index(0))
     tma_load(qr_desc, [row0, DV], bars.index(0), qr_smem)
     for j in gl.static_range(2):
         _load_half(kn_desc, kr_desc, kn_smem, kr_smem, full, pages, j, j, n_blocks, False)
@@ -316,8 +337,8 @@ def mla_seesaw_kernel(
     shared = (qn_smem, qr_smem, kn_smem, kr_smem, sp0, exch, bars, full, kn_desc, kr_desc, pages)
     gl.warp_specialize(
         [
-            (_group0, (shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2)),
-            (_group1, (shared, out_ptr, row0, n, n_blocks, scale_log2)),
+            (_group0, (shared, out_ptr, lse_ptr, row0, n, n_blocks, scale_log2, zero)),
+            (_group1, (shared, out_ptr, row0, n, n_blocks, scale_log2, zero)),
         ],
         [4],
         [WG1_REGS],
@@ -345,7 +366,7 @@ def mla_decode_seesaw(
 
     mla_seesaw_kernel[(batch * heads // 64,)](
         desc(q2, [64, 512]), desc(q2, [64, 64]), desc(pool2, [64, 256]), desc(pool2, [64, 64]),
-        out, lse, seqlens, block_table, block_table.stride(0), 576**-0.5 * math.log2(math.e), heads // 64,
+        out, lse, seqlens, block_table, block_table.stride(0), 576**-0.5 * math.log2(math.e), 0, heads // 64,
         num_warps=4,
     )  # fmt: skip
     return out.view(batch, heads, DV.value), lse.view(batch, heads)
@@ -353,11 +374,12 @@ def mla_decode_seesaw(
 
 def compiled_stats() -> dict:
     """The kernel compiled for sm_90: registers, stack and shared bytes, local accesses, the
-    setmaxnreg counts of its partitions, and its HGMMA shapes."""
+    setmaxnreg counts of its partitions, its HGMMA shapes, and each partition's K/V loop (a pair
+    of blocks) as [SASS, local accesses]."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from lean_tp.tools.kernel_report.sass import dump, resources
+    from lean_tp.tools.kernel_report.sass import dump, mma_loops_of_sass, resources
 
     def desc(shape: list[int]) -> str:
         return f"tensordesc<bf16[{shape[0]},{shape[1]}],{smem_layout(shape)!r}>"
@@ -365,7 +387,8 @@ def compiled_stats() -> dict:
     signature = {
         "qn_desc": desc([64, 512]), "qr_desc": desc([64, 64]), "kn_desc": desc([64, 256]),
         "kr_desc": desc([64, 64]), "out_ptr": "*bf16", "lse_ptr": "*fp32", "seqlens_ptr": "*i32",
-        "block_table_ptr": "*i32", "table_stride": "i32", "scale_log2": "fp32", "HU": "constexpr",
+        "block_table_ptr": "*i32", "table_stride": "i32", "scale_log2": "fp32", "zero": "i32",
+        "HU": "constexpr",
     }  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 8)}
     source = GluonASTSource(mla_seesaw_kernel, signature, constexprs={"HU": 2}, attrs=attrs)
@@ -379,6 +402,7 @@ def compiled_stats() -> dict:
         local=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         setmaxnreg=re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"]),
         hgmma=sorted({m for m in re.findall(r"HGMMA\.64x\d+x16\.F32\.BF16", sass)}),
+        loops=[list(loop) for loop in mma_loops_of_sass(sass)],
     )
 
 

@@ -83,6 +83,15 @@ def kv_loop_of_sass(text: str) -> tuple[int, int]:
     return len(body), sum(op in ("LDL", "STL") for op in body)
 
 
+def mma_loops_of_sass(text: str) -> list[tuple[int, int]]:
+    """(instructions, LDL/STL) of every innermost loop with tensor-core multiply-accumulates, in
+    address order: a warp-specialized kernel's partitions each have their own K/V loop."""
+    code, innermost = _sass_loops(text)
+    loops = sorted({loop for loop in innermost if _count(code, loop, lambda op: op.split(".")[0] in ("HMMA", "HGMMA"))})
+    bodies = [[op.split(".")[0] for a, op in code if lo <= a <= hi] for lo, hi in loops]
+    return [(len(body), sum(op in ("LDL", "STL") for op in body)) for body in bodies]
+
+
 def kv_loop_fp8_conversions(text: str) -> int:
     """The K/V loop's fp8 conversions on the conversion unit (``F2F``, and ``F2FP`` from e4m3 or
     e5m2) in ``cuobjdump -sass`` output, a thread's an iteration: Triton's e4m3 to bf16 takes 1.5 a
