@@ -38,7 +38,7 @@ from lean_tp.ops.mla_gluon.loops import blocks_overlapped, blocks_serial, copy_b
 from lean_tp.ops.mla_gluon.tiles import cta_barrier, tma_load
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["zero"])
 def mla_decode_gluon_kernel(
     qn_desc,
     qr_desc,
@@ -56,6 +56,7 @@ def mla_decode_gluon_kernel(
     table_stride,
     B,
     scale_log2,
+    zero,
     HU: gl.constexpr,
     LANES: gl.constexpr,
     TQ: gl.constexpr,
@@ -74,7 +75,8 @@ def mla_decode_gluon_kernel(
     sees keys [0, seqlens[b] - TQ + t]. scale_log2: the softmax scale times log2(e). ``FP8``: the
     pool is float8_e4m3fn (the descriptors' type), each row's value its bytes times k_scale[0] in
     the score and v_scale[0] in the output (both fp32); each block is converted to bf16 in shared
-    memory before its products (``_convert_block``)."""
+    memory before its products (``tiles.convert_block``); ``zero`` is 0, the index of that copy
+    (``loops._copy_of``), a runtime value so that the loop forms its operand descriptors."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     # Warp group g computes keys [g BLOCK_N / 2, (g + 1) BLOCK_N / 2) of the score and columns
@@ -93,10 +95,10 @@ def mla_decode_gluon_kernel(
     if FP8:
         cvt = (
             gl.allocate_shared_memory(
-                gl.bfloat16, [BLOCK_N, DV], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
+                gl.bfloat16, [1, BLOCK_N, DV], gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
             ),
             gl.allocate_shared_memory(
-                gl.bfloat16, [BLOCK_N, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
+                gl.bfloat16, [1, BLOCK_N, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
             ),
         )
         scale_log2 = scale_log2 * gl.load(k_scale_ptr)
@@ -138,7 +140,7 @@ def mla_decode_gluon_kernel(
             m_i, l_i, acc = _segment(
                 qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars,
                 kr_bars, cvt, row0, block_table_ptr + b * table_stride + tile, n_blocks,
-                unit_len - (tile + n_blocks - 1) * BLOCK_N, done, segments, scale_log2, m_i, l_i, acc,
+                unit_len - (tile + n_blocks - 1) * BLOCK_N, done, segments, scale_log2, zero, m_i, l_i, acc,
                 BLOCK_N, STAGES, FP8, OVERLAP,
             )  # fmt: skip
             segments += 1
@@ -187,7 +189,7 @@ def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES:
 @gluon.jit
 def _segment(
     qn_desc, qr_desc, kn_desc, kr_desc, qn_smem, qr_smem, kn_smem, kr_smem, p_smem, q_bar, kn_bars, kr_bars,
-    cvt, q_row, pages, n_blocks, last_valid, done, segments, scale_log2, m_i, l_i, acc,
+    cvt, q_row, pages, n_blocks, last_valid, done, segments, scale_log2, zero, m_i, l_i, acc,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """One output's blocks of this program (n_blocks >= 1), folded into (m_i, l_i, acc): the pages
@@ -213,7 +215,7 @@ def _segment(
         )  # fmt: skip
     else:
         m_i, l_i, acc = blocks_serial(
-            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, cvt, pages, n_blocks, last_valid, done, scale_log2,
+            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, cvt, pages, n_blocks, last_valid, done, scale_log2, zero,
             m_i, l_i, acc, BLOCK_N, STAGES, FP8,
         )  # fmt: skip
     return m_i, l_i, acc

@@ -237,7 +237,7 @@ def mla_decode_gluon(
     mla_decode_gluon_kernel[(num_programs,)](
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
         out, lse, part_out, part_lse, k_scale if fp8 else lse, v_scale if fp8 else lse, schedule, seqlens,
-        block_table, block_table.stride(0), batch, scale * math.log2(math.e), head_units, head_units, tq,
+        block_table, block_table.stride(0), batch, scale * math.log2(math.e), 0, head_units, head_units, tq,
         BLOCK_N, STAGES, fp8, overlap and not fp8, num_warps=8,
     )  # fmt: skip
     combine(schedule, seqlens, part_out, part_lse, out, lse, head_units)
@@ -275,7 +275,7 @@ def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False, overlap: b
     signature = {
         "qn_desc": desc([ROWS, DV]), "qr_desc": desc([ROWS, DR]), "kn_desc": desc([BLOCK_N, DV], kv),
         "kr_desc": desc([BLOCK_N, DR], kv), **pointers, "table_stride": "i32", "B": "i32", "scale_log2": "fp32",
-        "HU": "constexpr", "LANES": "constexpr", "TQ": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+        "zero": "i32", "HU": "constexpr", "LANES": "constexpr", "TQ": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
         "FP8": "constexpr", "OVERLAP": "constexpr",
     }  # fmt: skip
     constexprs = {"HU": head_units, "LANES": head_units, "TQ": tq, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "FP8": fp8}
