@@ -6,11 +6,11 @@ to this one) on DP attention's shapes, 64-row pages.
 Compiled for sm_90 (triton 3.7.1): 255 registers, no local memory, 225 KB of shared memory, 495
 SASS a 64-key iteration and 4832 bytes of shared-memory reads a key, against lean's 64-row loop's
 670 SASS a 32-key iteration and 13120 bytes a key (kernel report). For an e4m3 pool: the same
-shared memory and 512 bytes more (the row max's exchange), 897 SASS an iteration, 360 of them the
+shared memory and 512 bytes more (the row max's exchange), 900 SASS an iteration, 360 of them the
 conversion (``tiles.e4m3_to_bf16``: 72 PRMT, 144 LOP3, 72 SHF and 72 bf16x2 multiplies a thread),
 no local memory. The overlapped 16-bit loop (``launcher.OVERLAP``: each
 block's score issued behind the P.V before it, the row sums added once a segment, the row max
-exchanged with one barrier, q's rope columns in registers): 521 SASS and 4 CTA barriers an
+exchanged with one barrier, q's rope columns in registers): 488 SASS and 4 CTA barriers an
 iteration against 495 and 9, 4544 bytes of shared-memory reads a key, no local memory.
 
 Measured on an H200 (triton 3.6, with the stream-K schedule and the merge as they are): exact

@@ -75,8 +75,9 @@ def mla_decode_gluon_kernel(
     sees keys [0, seqlens[b] - TQ + t]. scale_log2: the softmax scale times log2(e). ``FP8``: the
     pool is float8_e4m3fn (the descriptors' type), each row's value its bytes times k_scale[0] in
     the score and v_scale[0] in the output (both fp32); each block is converted to bf16 in shared
-    memory before its products (``tiles.convert_block``); ``zero`` is 0, the index of that copy
-    (``loops._copy_of``), a runtime value so that the loop forms its operand descriptors."""
+    memory before its products (``tiles.convert_block``). ``zero`` is 0: the loops index q and
+    that copy with it (``loops._fixed_index``), so that they form the products' operand
+    descriptors in the loop."""
     M: gl.constexpr = 64
     DV: gl.constexpr = 512
     # Warp group g computes keys [g BLOCK_N / 2, (g + 1) BLOCK_N / 2) of the score and columns
@@ -166,7 +167,7 @@ def _allocate(qn_desc, qr_desc, kn_desc, kr_desc, BLOCK_N: gl.constexpr, STAGES:
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
     kv_type: gl.constexpr = kn_desc.block_type.element_ty
-    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [M, DV], qn_desc.layout)
+    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [1, M, DV], qn_desc.layout)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [M, DR], qr_desc.layout)
     kn_smem = gl.allocate_shared_memory(kv_type, [STAGES, BLOCK_N, DV], kn_desc.layout)
     kr_smem = gl.allocate_shared_memory(kv_type, [STAGES, BLOCK_N, DR], kr_desc.layout)
@@ -200,7 +201,7 @@ def _segment(
     # The previous segment's blocks and q are read by both warp groups until here.
     cta_barrier()
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma_load(qn_desc, [q_row, 0], q_bar, qn_smem)
+    tma_load(qn_desc, [q_row, 0], q_bar, qn_smem.index(0))
     tma_load(qr_desc, [q_row, DV], q_bar, qr_smem)
     for st in gl.static_range(STAGES):
         slot = (done + st) % STAGES
@@ -210,7 +211,7 @@ def _segment(
     bufs = (kn_smem, kr_smem, kn_bars, kr_bars)
     if OVERLAP:
         m_i, l_i, acc = blocks_overlapped(
-            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2,
+            kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2, zero,
             m_i, l_i, acc, BLOCK_N, STAGES,
         )  # fmt: skip
     else:

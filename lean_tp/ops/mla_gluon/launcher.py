@@ -20,9 +20,10 @@ BLOCK_N, STAGES = 64, 2
 # A 16-bit pool's loop with each block's score issued behind the P.V before it, the row sums added
 # once a segment, the row max exchanged between the warp groups with one barrier and q's rope
 # columns held in registers (``loops.blocks_overlapped``): 4 CTA barriers a 64-key iteration
-# against 9, the tensor cores given P.V and the next score back to back, 521 SASS against 495, 4544
-# bytes of shared-memory reads a key against 4832, no local memory (compiled for sm_90). Not yet run on a GPU, so calls keep the loop the H200 measured
-# until benchmarks/mla_decode_gluon.py's lines show it exact and faster.
+# against 9, the tensor cores given P.V and the next score back to back, 488 SASS against 495, 4544
+# bytes of shared-memory reads a key against 4832, no local memory (compiled for sm_90). Not yet
+# run on a GPU, so calls keep the loop the H200 measured until benchmarks/mla_decode_gluon.py's
+# lines show it exact and faster.
 OVERLAP = False
 # The merge's form, (columns a program folds, partials it loads a step, warps), by whether an
 # output has many contributors when lengths are even (programs / outputs: shapes only, no sync).

@@ -19,7 +19,7 @@ from lean_tp.ops.mla_gluon.tiles import convert_block, cta_barrier, tma_load, ze
 
 @gluon.jit
 def blocks_overlapped(
-    kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2, m_i, l_i, acc,
+    kn_desc, kr_desc, qn_smem, qr_smem, bufs, p_smem, pages, n_blocks, last_valid, done, scale_log2, zero, m_i, l_i, acc,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """``_segment``'s blocks from a 16-bit pool, each block's score issued right behind the P.V of
@@ -27,7 +27,8 @@ def blocks_overlapped(
     P.V read is reloaded while the score computes. The row sums stay per key (``_softmax``), the row
     max is exchanged between the groups with one barrier (``_row_max``), and q's rope columns are
     read into registers once a segment (the score's A operand: 16 registers a thread, 256 bytes of
-    shared-memory reads a key less). Every block but the segment's last is whole: no mask."""
+    shared-memory reads a key less). Every block but the segment's last is whole: no mask.
+    ``zero``: 0, q's index in the loop (``_fixed_index``)."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     first = done % STAGES
     _wait_block(kn_bars, kr_bars, done, STAGES)
@@ -35,7 +36,7 @@ def blocks_overlapped(
     mx_smem = _row_max_buffer()
     q_rope = qr_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     fence_async_shared()  # this read before the next segment's TMA copy of q into the buffer
-    s_tok = _score(qn_smem, q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
+    s_tok = _score(qn_smem.index(0), q_rope, kn_smem.index(first), kr_smem.index(first), s_layout)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks - 1):
         slot = (done + j) % STAGES
@@ -47,7 +48,8 @@ def blocks_overlapped(
         acc = _rescale(acc, alpha)
         o_tok = warpgroup_mma(p_smem, kn_smem.index(slot), acc, is_async=True)
         _wait_block(kn_bars, kr_bars, done + j + 1, STAGES)
-        s_tok = _score(qn_smem, q_rope, kn_smem.index(nslot), kr_smem.index(nslot), s_layout)
+        q = qn_smem.index(_fixed_index(j, zero, True))
+        s_tok = _score(q, q_rope, kn_smem.index(nslot), kr_smem.index(nslot), s_layout)
         # P.V was committed before the score's two products: with those two outstanding it is done.
         acc = warpgroup_mma_wait(num_outstanding=2, deps=(o_tok,))
         cta_barrier()  # both groups are done with this block and with P
@@ -73,7 +75,7 @@ def blocks_serial(
     latent and rope parts), which both products read, and its buffer reloaded as soon as it is
     converted, and its row max exchanged between the groups with one barrier (``_row_max``; the
     16-bit loop keeps the reduction the H200 measured). Every block but the segment's last is
-    whole: no mask. ``zero``: 0, the kernel's (``_copy_of``)."""
+    whole: no mask. ``zero``: 0 (``_fixed_index``)."""
     kn_smem, kr_smem, kn_bars, kr_bars = bufs
     mx_smem = None
     if FP8:
@@ -83,12 +85,14 @@ def blocks_serial(
         nxt = j + STAGES
         nxt_row = gl.load(pages + nxt, mask=nxt < n_blocks, other=0) * BLOCK_N
         _wait_block(kn_bars, kr_bars, done + j, STAGES)
+        z = _fixed_index(j, zero, FP8)
         kv = (kn_smem.index(slot), kr_smem.index(slot))
         if FP8:
-            kv = _copy_of(cvt, j & zero)
+            kv = _copy_of(cvt, z)
             convert_block(kn_smem.index(slot), kr_smem.index(slot), kv[0], kv[1], BLOCK_N, False)
             copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
-        m_i, l_i, acc = _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False, mx_smem)
+        q = qn_smem.index(z)
+        m_i, l_i, acc = _attend_block(q, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False, mx_smem)
         cta_barrier()  # both groups are done with the block (or its copy) and with P
         if not FP8:
             copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
@@ -96,21 +100,33 @@ def blocks_serial(
     _wait_block(kn_bars, kr_bars, last, STAGES)
     kv = (kn_smem.index(last % STAGES), kr_smem.index(last % STAGES))
     if FP8:
-        copy = _copy_of(cvt, zero)
+        copy = _copy_of(cvt, 0)
         convert_block(kv[0], kv[1], copy[0], copy[1], last_valid, True)
         kv = copy
     elif last_valid < BLOCK_N:  # a whole block (most segments' last) has no row to zero
         zero_rows_from(kv[0], last_valid)
-    return _attend_block(qn_smem, qr_smem, kv, p_smem, m_i, l_i, acc, last_valid, scale_log2, True, mx_smem)
+    return _attend_block(qn_smem.index(0), qr_smem, kv, p_smem, m_i, l_i, acc, last_valid, scale_log2, True, mx_smem)
+
+
+@gluon.jit
+def _fixed_index(j, zero, RUNTIME: gl.constexpr):
+    """Iteration j's index into a buffer the products read at one address (q's latent columns,
+    [1, 64, 512]; an e4m3 block's bf16 copy): 0, or with ``RUNTIME`` j & zero, a 0 the compiler
+    cannot fold. At a constant index the operand descriptors of the block's 40 HGMMAs (64 bits
+    each) are loop invariant: LLVM computes them all before the loop and ptxas keeps them in
+    registers or spills them (the e4m3 loop: 18 local accesses an iteration on triton 3.7.1, 7 on
+    3.6, 34 on 3.9; the overlapped loop: 18 on 3.9); from ``j & zero`` they are formed in the loop
+    by uniform adds. The 16-bit serial loop keeps 0: the form the H200 measured."""
+    if RUNTIME:
+        return j & zero
+    else:
+        return 0
 
 
 @gluon.jit
 def _copy_of(cvt, z):
     """The bf16 copy of an e4m3 block (``cvt``: [1, BLOCK_N, 512] and [1, BLOCK_N, 64]) at index
-    ``z``, a 0 the compiler cannot fold (``j & zero``). At a constant index the products' operand
-    descriptors (64 bits each, 40 HGMMAs a block) are loop invariant: LLVM computes them all before
-    the loop and ptxas spills them (18 local accesses in the loop on triton 3.7.1, 7 on 3.6); from
-    ``z`` they are formed in the loop by uniform adds, with no local memory."""
+    ``z`` (``_fixed_index``)."""
     return cvt[0].index(z), cvt[1].index(z)
 
 
