@@ -3,11 +3,12 @@ batch 1 and left-padded batches; DynamicCache and StaticCache), bf16 logits per 
 fallback logged once, and torch.compile of the model (examples/compile_hf.py) with no graph break."""
 
 import copy
+import inspect
 import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 import lean_tp.integrations.transformers as lean_hf
 
@@ -88,14 +89,18 @@ def test_bf16_logits_match_sdpa_every_step():
     sdpa, lean = _pair("llama", torch.bfloat16)
     ids, mask = batch_of("left-padded")
     caches = [DynamicCache(config=sdpa.config), DynamicCache(config=lean.config)]
+    # The cache's keyword: ``cache`` where the forward takes it (5.24 does, and warns that
+    # ``past_key_values`` is removed in 5.40), ``past_key_values`` on earlier 5.x.
+    forward_args = inspect.signature(LlamaForCausalLM.forward).parameters
+    cache_kw = "cache" if "cache" in forward_args else "past_key_values"
     with torch.no_grad():
-        logits = [m(ids, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
+        logits = [m(ids, attention_mask=mask, **{cache_kw: c}).logits[:, -1] for m, c in zip((sdpa, lean), caches)]
         for _ in range(8):
             torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=4e-2, rtol=4e-2)
             token = logits[0].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             logits = [
-                m(token, attention_mask=mask, past_key_values=c).logits[:, -1] for m, c in zip((sdpa, lean), caches)
+                m(token, attention_mask=mask, **{cache_kw: c}).logits[:, -1] for m, c in zip((sdpa, lean), caches)
             ]
 
 
