@@ -306,8 +306,8 @@ def mla_seesaw_kernel(
     ``zero`` is 0: the loops index q's and the K/V buffers at ``i & zero`` (+ 1), not at constants.
     With constant indices every operand descriptor of a pair's 44 HGMMAs (64 bits each) is loop
     invariant, LLVM computes them all before the loop, and the worker partition spills them (74
-    local accesses, 34 in its loop); from an index the compiler cannot fold they are formed in the
-    loop by uniform adds, and neither partition touches local memory."""
+    local accesses on triton 3.7.1, 34 in its loop); from an index the compiler cannot fold they
+    are formed in the loop, and neither partition touches local memory."""
     qn_smem = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, DV], qn_desc.layout)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, DR], qr_desc.layout)
     kn_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], qn_desc.layout)
