@@ -226,6 +226,28 @@ def test_in_batches_of_up_to_64():
         assert_same_bits((out[idx.index(0)], lse[idx.index(0)]), (want[0][0], want[1][0]), f"batch of {size}")
 
 
+def test_a_request_alone_split_over_more_programs_keeps_its_bits():
+    """A request alone is one sequence (``Features.one_sequence``), which an entry may split over
+    more programs than a batch's outputs (``one_sequence_max_contributors``: sm_90's MLA entries
+    take 128 against 64): alone on more than 64 programs, it has the bits it has in a batch, where
+    it spans at most 64, and matches float64."""
+    from lean_tp.ops.decode_attention.launcher import lean_schedule
+
+    config = dataclasses.replace(CONFIG, one_sequence_max_contributors=128)
+    inputs = make_feature_inputs([80 * CHUNK + 5, 17], 2, 1, 16, torch.float16, "paged16", seed=31)
+    spans = []
+    for idx in ([0], [1, 0]):
+        cx = plan_decode(**select(inputs, idx), batch_invariant=True, config=config, num_programs=96).kernel.constexprs
+        lens = inputs["cache_seqlens"][idx]
+        programs = lean_schedule(lens, 1, CHUNK, 96, max_contributors=cx["MAX_CONTRIB"])
+        spans.append(sum(any(s.b == idx.index(0) for s in segs) for segs in programs))
+    assert spans[0] > 64 >= spans[1], spans
+    alone = run(inputs, [0], 96, config=config)
+    out, lse = run(inputs, [1, 0], 96, config=config)
+    assert_same_bits((out[1], lse[1]), (alone[0][0], alone[1][0]), "alone on more programs than in a batch")
+    assert_matches_feature_ref(*alone, select(inputs, [0]), ATOL[torch.float16])
+
+
 def test_the_tables_own_chunk():
     """The interpreter's table entry (D=64: 256-key chunks), with a request of several groups."""
     inputs = make_feature_inputs([INVARIANT_GROUP_CHUNKS * 256 + 300, 5, 256], 2, 1, 64, torch.float16, seed=24)

@@ -113,9 +113,10 @@ def test_decode_attention_kernel_mla_column_halves(group, tq):
 def test_one_sequence_of_128_heads_takes_16_row_blocks():
     """DP attention's 128 heads for one sequence of one token (``Features.one_sequence``): the sm_90
     entry's 16-row blocks of 64 keys, 8 row blocks read in step, the kernel the benchmark's
-    ``lean-rows16`` measured at B=1 but for its contributor cap; with a second sequence, a draft token or in the
-    batch-invariant mode, the 128-row column halves, and Kimi-K2's 64 heads keep their 64-row
-    block. The one sequence split over programs is exact against float64."""
+    ``lean-rows16`` measured at B=1 but for its contributor cap; with a second sequence or a draft
+    token, the 128-row column halves, and Kimi-K2's 64 heads keep their 64-row block. The
+    batch-invariant mode keeps its own 16-row blocks and takes the one sequence's cap of
+    programs. The one sequence split over programs is exact against float64."""
     import dataclasses
     import sys
     from pathlib import Path
@@ -143,9 +144,14 @@ def test_one_sequence_of_128_heads_takes_16_row_blocks():
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
     two = mla_inputs("paged64", 128, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5, 7])
     draft = dict(inputs, q=inputs["q"][:, None].expand(1, 2, 128, KERNEL_DQK).contiguous())
-    for call in (two, draft, dict(inputs, batch_invariant=True)):
+    for call in (two, draft):
         features = plan_decode(**call).kernel.features
         assert not features.one_sequence, features
+    alone, batched = (plan_decode(**dict(call, batch_invariant=True)).kernel for call in (inputs, two))
+    assert alone.features.one_sequence and alone.block_g == batched.block_g == 16
+    on_sm90 = [dataclasses.replace(kernel, arch="sm90", config=None).constexprs for kernel in (alone, batched)]
+    assert (on_sm90[0]["MAX_CONTRIB"], on_sm90[1]["MAX_CONTRIB"]) == (entry.one_sequence_max_contributors, 64)
+    assert {**on_sm90[0], "MAX_CONTRIB": 64} == on_sm90[1]
     kimi = mla_inputs("paged64", 64, torch.bfloat16, seed=10, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=[5])
     assert plan_decode(**kimi).kernel.block_g == 64  # no column halves to replace: unmeasured there
 
@@ -153,8 +159,8 @@ def test_one_sequence_of_128_heads_takes_16_row_blocks():
 def test_drafts_in_one_narrow_row_block_are_one_sequence():
     """One sequence whose Tq x heads rows fit one 16-row block (Kimi-K2's 8 heads at TP 8 with an
     MTP draft) is planned as one token's call (``plan.is_one_sequence``): the same rows and
-    partials, so the entry's one-sequence cap of programs (sm_90: 128). DeepSeek-V3's 16 heads at
-    Tq 2 (32 rows), a second sequence and the batch-invariant mode are not."""
+    partials, so the entry's one-sequence cap of programs (sm_90: 128), in both modes.
+    DeepSeek-V3's 16 heads at Tq 2 (32 rows) and a second sequence are not."""
     from lean_tp.ops.decode_attention.plan import is_one_sequence
 
     def one_sequence(heads: int, tokens: int, lens: list[int], **kw) -> bool:
@@ -164,8 +170,8 @@ def test_drafts_in_one_narrow_row_block_are_one_sequence():
 
     assert one_sequence(8, 2, [70]) and one_sequence(16, 1, [70]) and one_sequence(1, 16, [70])
     assert not one_sequence(16, 2, [70]) and not one_sequence(8, 2, [70, 9])
-    assert not one_sequence(8, 2, [70], batch_invariant=True)
-    assert is_one_sequence(1, 1, 128, False) and not is_one_sequence(1, 2, 128, False)
+    assert one_sequence(8, 2, [70], batch_invariant=True) and not one_sequence(8, 2, [70, 9], batch_invariant=True)
+    assert is_one_sequence(1, 1, 128) and not is_one_sequence(1, 2, 128)
 
 
 def test_a_grid_has_a_program_for_each_row_block():

@@ -97,7 +97,7 @@ def plan_decode(
         kv_strides_differ=layout.k_strides != layout.v_strides,
         batch_invariant=batch_invariant,
         v_in_k=is_prefix_view(v_cache, k_cache),
-        one_sequence=is_one_sequence(q.shape[0], num_tokens, q.shape[-2] // layout.num_kv_heads, batch_invariant),
+        one_sequence=is_one_sequence(q.shape[0], num_tokens, q.shape[-2] // layout.num_kv_heads),
     )
     plan = DecodePlan(q.shape[0], q.shape[-2], q.shape[-1], q.dtype, q.device, layout, features, window)
     if not uses_triton(q.device, q.shape[-1], q.dtype, backend, features.fp8, layout.head_dim_v):

@@ -56,17 +56,20 @@ class Features:
     # V is K's first columns (``cache.is_prefix_view``): the kernel takes V from K's tile.
     v_in_k: bool = False
     # The call holds one sequence of one query token (or of drafts in one narrow row block:
-    # ``is_one_sequence``), in the default mode: an entry may compute it in narrower row blocks and
-    # split it over more programs (``DecodeConfig.one_sequence_max_block_g``, ``_max_contributors``).
+    # ``is_one_sequence``): an entry may split it over more programs
+    # (``DecodeConfig.one_sequence_max_contributors``, in both modes) and compute it in narrower row
+    # blocks (``one_sequence_max_block_g``, the default mode's column halves only).
     one_sequence: bool = False
 
 
-def is_one_sequence(batch: int, num_tokens: int, group: int, batch_invariant: bool) -> bool:
+def is_one_sequence(batch: int, num_tokens: int, group: int) -> bool:
     """``Features.one_sequence`` of a call of ``batch`` sequences of ``num_tokens`` query tokens
     and ``group`` query heads a KV head: one sequence of one token, or of drafts whose Tq x group
     rows fit one narrow row block (NARROW_ROWS: Kimi-K2's 8 heads at Tq 2), whose partials are as
-    narrow as one token's of the widest group that fits."""
-    return batch == 1 and not batch_invariant and (num_tokens == 1 or num_tokens * group <= NARROW_ROWS)
+    narrow as one token's of the widest group that fits. The batch-invariant mode's too: its bits
+    do not depend on how many programs share an output (invariant.py), so a request alone may be
+    split over more of them than in a batch."""
+    return batch == 1 and (num_tokens == 1 or num_tokens * group <= NARROW_ROWS)
 
 
 def e4m3_as_bits(fp8: torch.dtype | None, arch: str) -> bool:

@@ -428,7 +428,9 @@ _MLA_GLUON = "; 64+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-
 # (docs/results/2026-11-27-nvidia-h200-4.json, the benchmark's ``lean-contributors128``, 128 for
 # every call, against 64): B=1 32k 48.6 against 54.2 us (16-bit) and 58.1 against 70.8 (e4m3),
 # B=1 4k and B=32 within 1%; at 128 heads within 1% everywhere. Only such a call takes 128
-# (one_sequence_max_contributors), and one sequence of drafts whose rows fit one 16-row block, the
+# (one_sequence_max_contributors; the batch-invariant mode's too, unmeasured, whose bits do not
+# depend on the cap: the simulator puts one token at TP 8 from 32k at 1.05-1.10x the default's
+# time against 1.59-1.92x at 64), and one sequence of drafts whose rows fit one 16-row block, the
 # same rows and partials (``plan.is_one_sequence``: Kimi-K2's 8 heads at Tq 2; unmeasured, the
 # simulator puts it on an H100 at 0.68x the time of 64 at 32k and 0.57x at 128k). DeepSeek-V3's
 # Tq 2 merges 32-row partials, and the simulator puts 128 there at 0.87x of 64 at 32k

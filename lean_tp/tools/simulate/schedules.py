@@ -128,7 +128,7 @@ def lean_variant(problem: Problem, gpu: GPUModel, batch_invariant: bool = False)
         fp8=fp8,
         batch_invariant=batch_invariant,
         v_in_k=problem.latent,
-        one_sequence=is_one_sequence(len(problem.lens), problem.num_tokens, group, batch_invariant),
+        one_sequence=is_one_sequence(len(problem.lens), problem.num_tokens, group),
     )
     return KernelVariant(
         gpu.arch, dtype, problem.head_dim, group, None, features, head_dim_v=problem.head_dim_v or None
