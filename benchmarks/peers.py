@@ -52,9 +52,16 @@ class Peer:
         return None
 
 
-def _lean(s: Inputs):
+def _lean(s: Inputs, batch_invariant: bool = False):
     backend = "auto" if s["q"].is_cuda else "triton"  # the dry run interprets the kernel, like flash-decoding's
-    return lambda: lean_tp.decode_attention(**s, backend=backend)
+    return lambda: lean_tp.decode_attention(**s, backend=backend, batch_invariant=batch_invariant)
+
+
+def _lean_invariant(s: Inputs):
+    """lean in its batch-invariant mode: what a request's bits independent of its batch cost on
+    each shape (modelled at 1.00-1.10x of the default on the TP-8 sweep, and under DP attention's
+    MLA up to 4.85x: BENCHMARKS.md, docs/mla.md)."""
+    return _lean(s, batch_invariant=True)
 
 
 # MLA ablations: lean with its sm_90 entry changed, to tell the choices apart on a GPU. 16-row
@@ -315,6 +322,9 @@ PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
         Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})),
+        Peer(
+            "lean-invariant", _lean_invariant, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})
+        ),
         *(
             Peer(
                 name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla", "tq"}), only="mla"
