@@ -42,6 +42,9 @@ class Peer:
         frozenset()
     )  # of "fp8", "window", "paged", "mla", "tq" (``Shape.features``): wired up here for this peer
     only: str | None = None  # a feature the shape must have for this peer to run (an ablation's)
+    # Run only when named in --peers: its kernels compile apart from lean's, a compile for each
+    # variant, which would take a --quick run past the GPU check's step.
+    opt_in: bool = False
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -323,7 +326,11 @@ PEERS: dict[str, Peer] = {
     for p in (
         Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})),
         Peer(
-            "lean-invariant", _lean_invariant, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})
+            "lean-invariant",
+            _lean_invariant,
+            triton=True,
+            features=frozenset({"fp8", "window", "paged", "mla", "tq"}),
+            opt_in=True,
         ),
         *(
             Peer(

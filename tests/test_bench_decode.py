@@ -52,6 +52,25 @@ def test_dry_run_times_every_available_peer(dry_run):
     assert "lean's speedup (peer time / lean time):" in stdout and "x vs flash-decoding" in stdout
 
 
+def test_lean_invariant_runs_when_named(tmp_path, dry_run):
+    """``lean-invariant`` (lean's batch-invariant mode) is opt-in: the default run leaves it out,
+    and named in --peers it is timed beside lean, its output within the check of lean's."""
+    default_row = next(csv.DictReader(open(dry_run[0] / "bench_decode.csv")))
+    assert PEERS["lean-invariant"].opt_in and "lean-invariant_us" not in default_row
+    argv = ["--dry", "--out", str(tmp_path), "--sweeps", "gqa", "--peers", "lean", "lean-invariant"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_decode.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
+    assert float(row["lean-invariant_us"]) > 0 and float(row["speedup_vs_lean-invariant"]) > 0, row
+    assert "lean-invariant" not in row["notes"], row["notes"]
+
+
 def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
     """The MLA sweep's plumbing (fp16: the MLA kernel takes a 16-bit q): lean decodes a latent cache
     of 64-row pages with V its first 512 dims, for one query token and for two (MTP's verification,
