@@ -23,9 +23,9 @@ Compiled for sm_90: 256 registers a thread in both groups (setmaxnreg), 231716 b
 memory, HGMMA 64x64 (scores) and 64x256 (P.V, P from registers or shared memory), no local
 memory on triton 3.6, 3.7.1 and 3.9; each group's loop over a pair of blocks 1298 and 1428 SASS
 (3.7.1). The loops index q's and the K/V buffers at a runtime 0 (``zero``): at constant indices
-the worker partition reloaded its operand descriptors from local memory just before the HGMMAs
+the worker partition reloads its operand descriptors from local memory just before the HGMMAs
 (74 local accesses on 3.7.1, 77 on 3.6, 236 on 3.9), and with a pair's odd block behind a branch
-inside the loop it spilled 110, so the pairs with both blocks run in the loop and a last even
+inside the loop it spills 110, so the pairs with both blocks run in the loop and a last even
 block after it; a third, one-warp partition issuing the copies would leave the groups 240
 registers, at 250 spills (both at constant indices). Not yet run on a GPU. ``--json``: the
 compiled statistics; on an sm_90 GPU, exact against float64 on ragged lengths and timed beside the

@@ -187,7 +187,7 @@ def test_the_seesaw_probe_compiles_for_sm90():
     run on a GPU yet) compiles for sm_90 within an H100 block's shared memory, both groups at 256
     registers, with the scores' and P.V's HGMMA shapes, and without local memory: each group's K/V
     loop (a pair of blocks) indexes its buffers at a runtime 0, so their operand descriptors are
-    formed in the loop (at constant indices the worker partition spilled them: 74 local accesses)."""
+    formed in the loop (at constant indices the worker partition spills them: 74 local accesses)."""
     stats = _compiled_stats(SCRIPT.with_name("mla_decode_seesaw.py"))
     assert stats["shared_bytes"] <= ARCHS["sm90"].smem_per_block, stats
     assert set(stats["setmaxnreg"]) == {"256"}, stats
