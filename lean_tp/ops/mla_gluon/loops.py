@@ -88,9 +88,10 @@ def blocks_serial(
         z = _fixed_index(j, zero, FP8)
         kv = (kn_smem.index(slot), kr_smem.index(slot))
         if FP8:
-            kv = _copy_of(cvt, z)
-            convert_block(kn_smem.index(slot), kr_smem.index(slot), kv[0], kv[1], BLOCK_N, False)
+            copy = _copy_of(cvt, z)
+            convert_block(kv[0], kv[1], copy[0], copy[1], BLOCK_N, False)
             copy_block(kn_desc, kr_desc, kn_smem, kr_smem, kn_bars, kr_bars, slot, nxt_row, nxt < n_blocks)
+            kv = copy
         q = qn_smem.index(z)
         m_i, l_i, acc = _attend_block(q, qr_smem, kv, p_smem, m_i, l_i, acc, BLOCK_N, scale_log2, False, mx_smem)
         cta_barrier()  # both groups are done with the block (or its copy) and with P
