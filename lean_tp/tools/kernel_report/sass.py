@@ -50,14 +50,24 @@ def _count(code: list[tuple[int, str]], loop: tuple[int, int], matches) -> int:
     return sum(matches(op) for a, op in code if loop[0] <= a <= loop[1])
 
 
+def _tensor_core(op: str) -> bool:
+    """A tensor-core multiply-accumulate (HMMA, or HGMMA: sm_90's wgmma)."""
+    return op.split(".")[0] in ("HMMA", "HGMMA")
+
+
+def _loop_counts(code: list[tuple[int, str]], loop: tuple[int, int]) -> tuple[int, int]:
+    """(instructions, LDL/STL) of ``loop``."""
+    body = [op.split(".")[0] for a, op in code if loop[0] <= a <= loop[1]]
+    return len(body), sum(op in ("LDL", "STL") for op in body)
+
+
 def _kv_loop(code: list[tuple[int, str]], innermost: list[tuple[int, int]]) -> tuple[int, int]:
     """(first, last) address of the K/V loop among ``_sass_loops``'s innermost loops: the one
     holding the most tensor-core multiply-accumulates (HMMA/HGMMA), or the most FFMA when no loop
     has any (fp32's "ieee" dots). The merge's loop has FFMA but no HMMA."""
-    tensor_core = lambda op: op.split(".")[0] in ("HMMA", "HGMMA")  # noqa: E731
     macs = (
-        tensor_core
-        if any(_count(code, loop, tensor_core) for loop in innermost)
+        _tensor_core
+        if any(_count(code, loop, _tensor_core) for loop in innermost)
         else (lambda op: op.split(".")[0] == "FFMA")
     )
     return max(innermost, key=lambda loop: _count(code, loop, macs), default=(0, -1))
@@ -78,18 +88,14 @@ def _kv_loop_instructions(text: str) -> list[tuple[str, str]]:
 def kv_loop_of_sass(text: str) -> tuple[int, int]:
     """(instructions, LDL/STL) of the K/V loop (``_kv_loop``) in ``cuobjdump -sass`` output."""
     code, innermost = _sass_loops(text)
-    lo, hi = _kv_loop(code, innermost)
-    body = [op.split(".")[0] for a, op in code if lo <= a <= hi]
-    return len(body), sum(op in ("LDL", "STL") for op in body)
+    return _loop_counts(code, _kv_loop(code, innermost))
 
 
 def mma_loops_of_sass(text: str) -> list[tuple[int, int]]:
     """(instructions, LDL/STL) of every innermost loop with tensor-core multiply-accumulates, in
     address order: a warp-specialized kernel's partitions each have their own K/V loop."""
     code, innermost = _sass_loops(text)
-    loops = sorted({loop for loop in innermost if _count(code, loop, lambda op: op.split(".")[0] in ("HMMA", "HGMMA"))})
-    bodies = [[op.split(".")[0] for a, op in code if lo <= a <= hi] for lo, hi in loops]
-    return [(len(body), sum(op in ("LDL", "STL") for op in body)) for body in bodies]
+    return [_loop_counts(code, loop) for loop in sorted(set(innermost)) if _count(code, loop, _tensor_core)]
 
 
 def kv_loop_fp8_conversions(text: str) -> int:
