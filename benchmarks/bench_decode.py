@@ -391,12 +391,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="default: bf16 with --quick, else both; fp32 with --dry (fp16 there runs the fp8 rows)",
     )
     p.add_argument("--sweeps", nargs="+", type=cli.choice(*SWEEPS), help=f"only these sweeps ({' '.join(SWEEPS)})")
+    opt_in = [name for name, peer in PEERS.items() if peer.opt_in]
     p.add_argument(
         "--peers",
         nargs="+",
-        default=[name for name, peer in PEERS.items() if not peer.opt_in],
+        default=[name for name in PEERS if name not in opt_in],
         type=cli.choice(*PEERS),
-        help=f"default: all but {', '.join(name for name, peer in PEERS.items() if peer.opt_in)}",
+        help=f"default: all but {', '.join(opt_in)}",
     )
     p.add_argument("--reps", type=cli.integer(1, 100_000), default=60)
     p.add_argument("--out", type=cli.output_dir, default="out/bench")

@@ -62,9 +62,12 @@ def _lean(s: Inputs, batch_invariant: bool = False):
 
 def _lean_invariant(s: Inputs):
     """lean in its batch-invariant mode: what a request's bits independent of its batch cost on
-    each shape (modelled at 1.00-1.10x of the default on the TP-8 sweep, and under DP attention's
-    MLA up to 4.85x: BENCHMARKS.md, docs/mla.md)."""
+    each shape (modelled in BENCHMARKS.md and docs/mla.md)."""
     return _lean(s, batch_invariant=True)
+
+
+# The shape features lean's calls take, in either mode.
+_LEAN_FEATURES = frozenset({"fp8", "window", "paged", "mla", "tq"})
 
 
 # MLA ablations: lean with its sm_90 entry changed, to tell the choices apart on a GPU. 16-row
@@ -324,14 +327,8 @@ def _vllm_triton_mla(s: Inputs):
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
-        Peer("lean", _lean, triton=True, features=frozenset({"fp8", "window", "paged", "mla", "tq"})),
-        Peer(
-            "lean-invariant",
-            _lean_invariant,
-            triton=True,
-            features=frozenset({"fp8", "window", "paged", "mla", "tq"}),
-            opt_in=True,
-        ),
+        Peer("lean", _lean, triton=True, features=_LEAN_FEATURES),
+        Peer("lean-invariant", _lean_invariant, triton=True, features=_LEAN_FEATURES, opt_in=True),
         *(
             Peer(
                 name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla", "tq"}), only="mla"

@@ -21,18 +21,18 @@ from peers import MLA_ABLATIONS, PEERS, Peer, varlen_args  # noqa: E402
 from lean_tp.ops.decode_attention.naive import decode_attention_ref  # noqa: E402
 
 
+def _dry_bench(out: Path, *args: str) -> str:
+    """``bench_decode.py --dry --out OUT ARGS`` in a process of its own; its stdout."""
+    argv = [sys.executable, str(BENCH / "bench_decode.py"), "--dry", "--out", str(out), *args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_decode.py"), "--dry", "--out", str(out), "--sweeps", "gqa"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout
+    return out, _dry_bench(out, "--sweeps", "gqa")
 
 
 def test_dry_run_times_every_available_peer(dry_run):
@@ -57,15 +57,7 @@ def test_lean_invariant_runs_when_named(tmp_path, dry_run):
     and named in --peers it is timed beside lean, its output within the check of lean's."""
     default_row = next(csv.DictReader(open(dry_run[0] / "bench_decode.csv")))
     assert PEERS["lean-invariant"].opt_in and "lean-invariant_us" not in default_row
-    argv = ["--dry", "--out", str(tmp_path), "--sweeps", "gqa", "--peers", "lean", "lean-invariant"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_decode.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _dry_bench(tmp_path, "--sweeps", "gqa", "--peers", "lean", "lean-invariant")
     (row,) = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
     assert float(row["lean-invariant_us"]) > 0 and float(row["speedup_vs_lean-invariant"]) > 0, row
     assert "lean-invariant" not in row["notes"], row["notes"]
@@ -76,9 +68,7 @@ def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
     of 64-row pages with V its first 512 dims, for one query token and for two (MTP's verification,
     q (B, 2, H, 576)); the standard-attention peers do not take MLA, and the MLA peers are skipped,
     each with why (all three need CUDA; vLLM disables Triton off the GPU)."""
-    argv = [str(BENCH / "bench_decode.py"), "--dry", "--out", str(tmp_path), "--sweeps", "mla", "--dtypes", "fp16"]
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _dry_bench(tmp_path, "--sweeps", "mla", "--dtypes", "fp16")
     one, two = list(csv.DictReader(open(tmp_path / "bench_decode.csv")))
     assert [(row["sweep"], row["x"], row["d"]) for row in (one, two)] == [
         ("mla", "TP 8", "576"),
