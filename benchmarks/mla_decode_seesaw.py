@@ -50,6 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from lean_tp.ops.decode_attention.tuning import FP_FUSION
+
 # The Gluon kernel's version shims (the barrier of the warps that run it, the TMA load), its
 # buffers' shared layout and its zeroing of a page's rows past a sequence's end.
 from lean_tp.ops.mla_gluon.tiles import cta_barrier, smem_layout, tma_load, zero_rows_from
@@ -367,7 +369,7 @@ def mla_decode_seesaw(
     mla_seesaw_kernel[(batch * heads // 64,)](
         desc(q2, [64, 512]), desc(q2, [64, 64]), desc(pool2, [64, 256]), desc(pool2, [64, 64]),
         out, lse, seqlens, block_table, block_table.stride(0), 576**-0.5 * math.log2(math.e), 0, heads // 64,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out.view(batch, heads, DV.value), lse.view(batch, heads)
 
@@ -392,7 +394,8 @@ def compiled_stats() -> dict:
     }  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 8)}
     source = GluonASTSource(mla_seesaw_kernel, signature, constexprs={"HU": 2}, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    options = {"num_warps": 4, "enable_fp_fusion": FP_FUSION}  # as launched
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     sass = dump(kernel.asm["cubin"], "-sass")
     regs, stack, static_shared = resources(kernel.asm["cubin"])
     return dict(

@@ -16,7 +16,7 @@ import torch
 
 from lean_tp.ops.decode_attention.archs import ARCHS
 from lean_tp.ops.decode_attention.launcher import lean_schedule
-from lean_tp.ops.decode_attention.tuning import TUNING_TABLE
+from lean_tp.ops.decode_attention.tuning import FP_FUSION, TUNING_TABLE
 from lean_tp.ops.mla_gluon import launcher
 from lean_tp.ops.mla_gluon.launcher import (
     BLOCK_N,
@@ -237,6 +237,38 @@ def test_a_steps_schedule_is_the_ranges_of_its_clamped_lengths_on_whole_lanes():
     for bad, units in ((schedule, 3), (schedule.long(), 4), (schedule[:, :5], 4)):
         with pytest.raises(ValueError, match="schedule: expected mla_gluon_schedule's int32"):
             check_schedule(bad, units, schedule.device)
+
+
+def test_every_launch_of_the_route_pins_fp_fusion(monkeypatch):
+    """The route's three launches (the schedule's ranges, the kernel, the merge) set contraction
+    to ``tuning.FP_FUSION``, as lean's Triton kernel does: triton 3.9 warns that its default turns
+    it off in 3.10, which would change the measured kernel without a line of ours changing. The
+    call runs on CPU past its device check (the ranges and the merge interpreted); the kernel's
+    launch, which needs an sm_90 GPU, is recorded."""
+    from lean_tp.ops.mla_gluon import kernel as gluon_kernel
+
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name, kernel=None):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[self.name] = kwargs
+                if self.kernel is not None:
+                    self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(launcher, "program_ranges_kernel", Recorder("ranges", launcher.program_ranges_kernel))
+    monkeypatch.setattr(launcher, "mla_combine_kernel", Recorder("combine", launcher.mla_combine_kernel))
+    monkeypatch.setattr(gluon_kernel, "mla_decode_gluon_kernel", Recorder("kernel"))
+    monkeypatch.setattr(launcher, "check_gluon_inputs", lambda *args: None)
+    q, pool, seqlens, table = _script().paged_problem([0, 70, 130], heads=64, device="cpu")
+    launcher.mla_decode_gluon(q, pool, seqlens, table, num_programs=4)
+    assert sorted(launches) == ["combine", "kernel", "ranges"]
+    assert all(kwargs["enable_fp_fusion"] is FP_FUSION for kwargs in launches.values()), launches
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import triton
 from lean_tp.ops.decode_attention.cache import valid_keys
 from lean_tp.ops.decode_attention.plan import NO_SPAN_LIMIT, DecodePlan, check_tile_count
 from lean_tp.ops.decode_attention.schedule import RANGE_FIELDS, program_ranges_kernel
-from lean_tp.ops.decode_attention.tuning import MAX_CONTRIBUTORS, MIN_TILES_PER_PROGRAM, SCHEDULE_BLOCK_B
+from lean_tp.ops.decode_attention.tuning import FP_FUSION, MAX_CONTRIBUTORS, MIN_TILES_PER_PROGRAM, SCHEDULE_BLOCK_B
 from lean_tp.ops.mla_gluon.combine import mla_combine_kernel
 
 # The kernel's shape (its bodies restate them as Gluon constexprs): query rows a head unit, latent
@@ -119,7 +119,7 @@ def program_ranges(cache_seqlens: torch.Tensor, head_units: int, num_programs: i
     program_ranges_kernel[(num_programs,)](
         cache_seqlens, ranges, cache_seqlens.shape[0], head_units, num_programs, num_programs, NO_SPAN_LIMIT,
         TILE_N=BLOCK_N, MIN_TILES=MIN_TILES_PER_PROGRAM, MAX_CONTRIB=MAX_CONTRIBUTORS, BLOCK_B=SCHEDULE_BLOCK_B,
-        LANES=head_units,
+        LANES=head_units, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return ranges
 
@@ -141,7 +141,7 @@ def combine(
     mla_combine_kernel[(outputs, DV // cols)](
         ranges, cache_seqlens, part_out, part_lse, out, lse, num_programs,
         HU=head_units, ROWS=ROWS, DV=DV, COLS=cols, CHUNK=chunk, BLOCK_P=triton.next_power_of_2(num_programs),
-        num_warps=warps,
+        num_warps=warps, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
 
 
@@ -239,7 +239,7 @@ def mla_decode_gluon(
         desc(q2, [ROWS, DV]), desc(q2, [ROWS, DR]), desc(pool2, [BLOCK_N, DV]), desc(pool2, [BLOCK_N, DR]),
         out, lse, part_out, part_lse, k_scale if fp8 else lse, v_scale if fp8 else lse, schedule, seqlens,
         block_table, block_table.stride(0), batch, scale * math.log2(math.e), 0, head_units, head_units, tq,
-        BLOCK_N, STAGES, fp8, overlap and not fp8, num_warps=8,
+        BLOCK_N, STAGES, fp8, overlap and not fp8, num_warps=8, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     combine(schedule, seqlens, part_out, part_lse, out, lse, head_units)
     return out.view(*q.shape[:-1], DV), lse.view(q.shape[:-1])
@@ -283,4 +283,5 @@ def compile_sm90(head_units: int = 2, tq: int = 1, fp8: bool = False, overlap: b
     constexprs["OVERLAP"] = overlap
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4, 13)}
     source = GluonASTSource(mla_decode_gluon_kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    options = {"num_warps": 8, "enable_fp_fusion": FP_FUSION}  # as launched
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
