@@ -115,8 +115,9 @@ def test_one_sequence_of_128_heads_takes_16_row_blocks():
     entry's 16-row blocks of 64 keys, 8 row blocks read in step, the kernel the benchmark's
     ``lean-rows16`` measured at B=1 but for its contributor cap; with a second sequence or a draft
     token, the 128-row column halves, and Kimi-K2's 64 heads keep their 64-row block. The
-    batch-invariant mode keeps its own 16-row blocks and takes the one sequence's cap of
-    programs. The one sequence split over programs is exact against float64."""
+    batch-invariant mode keeps its own blocks (64 rows, whole, whatever the batch) and takes the
+    one sequence's cap of programs. The one sequence split over programs is exact against
+    float64."""
     import dataclasses
     import sys
     from pathlib import Path
@@ -148,7 +149,7 @@ def test_one_sequence_of_128_heads_takes_16_row_blocks():
         features = plan_decode(**call).kernel.features
         assert not features.one_sequence, features
     alone, batched = (plan_decode(**dict(call, batch_invariant=True)).kernel for call in (inputs, two))
-    assert alone.features.one_sequence and alone.block_g == batched.block_g == 16
+    assert alone.features.one_sequence and alone.block_g == batched.block_g == 64
     on_sm90 = [dataclasses.replace(kernel, arch="sm90", config=None).constexprs for kernel in (alone, batched)]
     assert (on_sm90[0]["MAX_CONTRIB"], on_sm90[1]["MAX_CONTRIB"]) == (entry.one_sequence_max_contributors, 64)
     assert {**on_sm90[0], "MAX_CONTRIB": 64} == on_sm90[1]
@@ -227,6 +228,29 @@ def test_decode_attention_kernel_mla_batch_invariant():
     out, lse = run_kernel(select(inputs, [0, 1, 2, 3]), batch_invariant=True, num_programs=3)
     alone, alone_lse = run_kernel(select(inputs, [0]), batch_invariant=True, num_programs=4)
     assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0])
+    assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_mla_wide_blocks_batch_invariant(group):
+    """The batch-invariant mode in DP attention's wide row blocks (64 rows: Kimi-K2's 64 heads one
+    block, DeepSeek-V3's 128 two), each chunk of 512 keys its own group (one state in the K/V
+    loop): a request's bits alone on two grids equal its bits among others (outputs split over
+    programs, several supergroups of chunks, a chunk's last key, a chunk and a key, empty and
+    one-key sequences), and every output matches float64 (out, lse and workspace start as NaN)."""
+    from lean_tp.ops.decode_attention.tuning import INVARIANT_WIDE_TILE_N
+
+    chunk = INVARIANT_WIDE_TILE_N
+    lens = [4 * chunk + 70, 0, chunk, chunk + 1, 1, 2 * chunk - 3]
+    inputs = mla_inputs("paged64", group, torch.bfloat16, seed=group + 1, dqk=KERNEL_DQK, dv=KERNEL_DV, lens=lens)
+    cx = plan_decode(**select(inputs, [0]), batch_invariant=True).kernel.constexprs
+    assert (cx["BLOCK_G"], cx["NUM_GC"], cx["TILE_N"], cx["IGROUP"]) == (64, group // 64, chunk, 1)
+    out, lse = run_kernel(select(inputs, list(range(len(lens)))), batch_invariant=True, num_programs=5)
+    for programs in (2, 7):
+        alone, alone_lse = run_kernel(select(inputs, [0]), batch_invariant=True, num_programs=programs)
+        assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0]), programs
+    pair, pair_lse = run_kernel(select(inputs, [3, 5]), batch_invariant=True, num_programs=3)
+    assert torch.equal(out[[3, 5]], pair) and torch.equal(lse[[3, 5]], pair_lse)
     assert_matches_feature_ref(out, lse, dict(inputs, softmax_scale=KERNEL_DQK**-0.5), ATOL[torch.bfloat16])
 
 

@@ -58,7 +58,8 @@ GPUS = {
 # within 0.9-1.2x; at B=1 it stays 1.3-2.7x too fast (the merge and a call's fixed costs, not
 # calibrated). The H100 shares the H200's SM and clocks, so the same times model it; other parts
 # and entries (sm_80, sm_100, 32-row blocks) are not measured and keep the memory-bound model. The
-# batch-invariant variant's 16-row loop is assumed to take the default's time (unmeasured).
+# batch-invariant variant's loops (16-row blocks; 64-row ones in 512-key chunks, a loop a chunk)
+# are assumed to take the default's time for the same block (unmeasured).
 LOOP_US = {
     ("sm90", 576, 2, 16, 32): 2.10,  # 2.07 (16 heads), 2.13 (128 heads in 16-row blocks)
     ("sm90", 576, 2, 16, 64): 2.73,  # 16 heads; 2.51 for 128 heads in 16-row blocks

@@ -127,7 +127,16 @@ def attend_chunks(
     two states, the chunk's and the group's (the output's fold of its groups reads them from the
     workspace after the loop: ``invariant.attend_invariant``), which keeps the invariant kernel in
     the default kernel's registers. A chunk's operations are those of ``attend_segment`` over it,
-    wherever the range begins."""
+    wherever the range begins. With IGROUP 1 (wide row blocks), ``_attend_group_chunks``: one
+    state."""
+    if IGROUP == 1:
+        return _attend_group_chunks(
+            b_q, b_qt, k_ptr, v_ptr, bt_ptr, ws_acc_ptr, ws_ml_ptr, group_slot0, whole, b, h_kv, n_base, n_lo, n_hi,
+            span, b_lo, b_hi, qk_scale, cap_log2, v_scale, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, stride_bt, num_pages, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, TILE_N, PAGED, PAGE_SIZE,
+            DOT_PRECISION, ROW_MASK, SOFTCAP, E4M3_BITS, BLOCK_IN_PAGE, HEAD_DIM_T, BLOCK_DT, V_IN_K, SCORES_T,
+            HAS_SCALES,
+        )  # fmt: skip
     g_acc, g_m, g_l = empty_state(BLOCK_G, BLOCK_D)
     c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
     # The batch-invariant variant computes whole rows (DecodeConfig.v_col_blocks): one column block.
@@ -212,3 +221,44 @@ def attend_chunks(
     if PAGED:
         bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)
     return g_acc, g_m, g_l, bad
+
+
+@triton.jit
+def _attend_group_chunks(
+    b_q, b_qt, k_ptr, v_ptr, bt_ptr, ws_acc_ptr, ws_ml_ptr, group_slot0, whole, b, h_kv, n_base, n_lo, n_hi, span,
+    b_lo, b_hi, qk_scale, cap_log2, v_scale, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_bt, num_pages, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROW_MASK: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_BITS: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr, HEAD_DIM_T: tl.constexpr, BLOCK_DT: tl.constexpr, V_IN_K: tl.constexpr,
+    SCORES_T: tl.constexpr, HAS_SCALES: tl.constexpr,
+):  # fmt: skip
+    """``attend_chunks`` where a chunk is its group (IGROUP 1: wide row blocks' chunks of
+    ``DecodeConfig.invariant_wide_tile_n`` keys): each chunk attended from a fresh state and
+    written to slot group_slot0 + its index, but the output's last with ``whole``. Returns the
+    range's last chunk (with ``whole``, the output's, unwritten) and ``bad``. A group of one
+    chunk is the chunk (folding a partial into the empty state gives its bits back), so the loop
+    holds one state, and no group begins in an earlier program. A K/V loop a chunk: the chunk's
+    end is outside the loop (inside it, the end's reset and store cost ptxas registers it takes
+    from the loop: sm_90's 64-row block, paged64, reloaded 10 loop-invariant words an iteration
+    against 6), and the pipeline fills once a chunk of many blocks."""
+    b_q, _, b_qt = q_operands(b_q, b_q, b_qt, SCORES_T)
+    c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
+    for c0 in range(n_lo, n_hi, TILE_N):
+        c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
+        c_hi = tl.minimum(c0 + TILE_N, n_hi)
+        for n0 in range(c0, c_hi, BLOCK_N):
+            c_acc, c_m, c_l = attend_block(
+                c_acc, c_m, c_l, b_q, b_q, b_qt, k_ptr, v_ptr, bt_ptr, b, h_kv, 0, n_base, n0, c_hi, b_lo, b_hi,
+                qk_scale, cap_log2, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+                num_pages, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, ROW_MASK, SOFTCAP, E4M3_BITS,
+                BLOCK_IN_PAGE, HEAD_DIM_T, BLOCK_DT, V_IN_K, SCORES_T, 1,
+            )  # fmt: skip
+        if HAS_SCALES:
+            c_acc = c_acc * v_scale
+        if ~(whole & (c_hi >= span)):
+            _store_chunk(ws_acc_ptr, ws_ml_ptr, group_slot0 + c0 // TILE_N, c_acc, c_m, c_l, BLOCK_D, BLOCK_G)
+    bad = False
+    if PAGED:
+        bad = bad_pages(bt_ptr, b, n_base, n_lo, n_hi, stride_bt, num_pages, PAGE_SIZE)
+    return c_acc, c_m, c_l, bad

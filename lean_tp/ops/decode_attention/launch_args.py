@@ -156,7 +156,12 @@ def counters_size(num_programs: int) -> int:
 
 
 def alloc_workspace(
-    num_programs: int, block_g: int, head_dim: int, device: torch.device | str, group_slots: int | None = None
+    num_programs: int,
+    block_g: int,
+    head_dim: int,
+    device: torch.device | str,
+    group_slots: int | None = None,
+    group_chunks: int = INVARIANT_GROUP_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials of two segments per program: acc (G, 2, BLOCK_G, BLOCK_D) and (m, l) (G, 2, 2, BLOCK_G),
     fp32; BLOCK_D is head_dim (V's) padded as the kernel pads it (head units that hold half of V's
@@ -165,14 +170,15 @@ def alloc_workspace(
     most two outputs, the one its range starts in and the one it ends in.
 
     With ``group_slots`` (``DecodePlan.group_slots``: the batch-invariant mode), acc (S, BLOCK_G,
-    BLOCK_D) and (m, l) (S, 2, BLOCK_G) for S = G * INVARIANT_GROUP_CHUNKS + group_slots slots
-    (``invariant.py`` lays them out), sized from shapes, never from lengths.
+    BLOCK_D) and (m, l) (S, 2, BLOCK_G) for S = G * group_chunks + group_slots slots
+    (``invariant.py`` lays them out; group_chunks the kernel's IGROUP), sized from shapes, never
+    from lengths.
     """
     block_d = padded_head_dim(head_dim)
     if group_slots is None:
         lead: tuple[int, ...] = (num_programs, 2)
     else:
-        lead = (num_programs * INVARIANT_GROUP_CHUNKS + group_slots,)
+        lead = (num_programs * group_chunks + group_slots,)
     ws_acc = torch.empty(*lead, block_g, block_d, device=device, dtype=torch.float32)
     ws_ml = torch.empty(*lead, 2, block_g, device=device, dtype=torch.float32)
     return ws_acc, ws_ml
@@ -180,7 +186,11 @@ def alloc_workspace(
 
 def plan_workspace(plan: DecodePlan, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``alloc_workspace`` for a Triton plan."""
-    return alloc_workspace(plan.num_programs, plan.kernel.block_g, plan.layout.head_dim_v, device, plan.group_slots)
+    kernel = plan.kernel
+    slots = plan.group_slots
+    return alloc_workspace(
+        plan.num_programs, kernel.block_g, plan.layout.head_dim_v, device, slots, kernel.constexprs["IGROUP"]
+    )
 
 
 def check_workspace(workspace: object, plan: DecodePlan) -> None:

@@ -113,7 +113,7 @@ def plan_decode(
     # A program for each lane of the schedule (a GPU's grid always has; tests' tiny grids grow).
     num_programs *= -(-kernel.lanes // num_programs)
     plan = dataclasses.replace(plan, kernel=kernel, num_programs=num_programs, num_sms=num_sms)
-    check_tile_count(plan.schedule_batch, plan.head_units, layout.capacity, kernel.config.tile_n)
+    check_tile_count(plan.schedule_batch, plan.head_units, layout.capacity, kernel.constexprs["TILE_N"])
     return dataclasses.replace(plan, gluon=gluon_takes(plan))
 
 

@@ -143,6 +143,10 @@ class KernelVariant:
         tail = self.head_dim - head_dim_v  # K's columns past V's
         paged = self.page_size is not None
         cols = merge_cols(block_g, block_d, config.merge_wave_elems)
+        # The batch-invariant mode's chunk is its schedule's tile (invariant.py); the default mode
+        # ignores IGROUP.
+        chunks = config.invariant_chunks(block_g) if f.batch_invariant else (config.tile_n, INVARIANT_GROUP_CHUNKS)
+        tile_n, igroup = chunks
         return {
             "GROUP": self.group,
             "TQ": f.num_tokens,
@@ -159,7 +163,7 @@ class KernelVariant:
             # batch-invariant mode's folds (folds.py) address one lane.
             "LANES": 1 if f.batch_invariant else units,
             "BLOCK_N": config.block_n_for(block_g),
-            "TILE_N": config.tile_n,
+            "TILE_N": tile_n,
             "PAGED": paged,
             "PAGE_SIZE": self.page_size or 1,
             "MIN_TILES": MIN_TILES_PER_PROGRAM,
@@ -189,7 +193,7 @@ class KernelVariant:
             "E4M3_BITS": e4m3_as_bits(f.fp8, self.arch),
             "SAME_KV_STRIDES": paged and config.share_kv_addresses and not f.kv_strides_differ,
             "INVARIANT": f.batch_invariant,
-            "IGROUP": INVARIANT_GROUP_CHUNKS,
+            "IGROUP": igroup,
             "ISUPER": INVARIANT_SUPER_GROUPS,
             "SEQ_TOKENS": self.seq_tokens,
         }
@@ -260,7 +264,8 @@ class DecodePlan:
     @property
     def max_groups(self) -> int:
         """Most chunk groups one output has in the batch-invariant mode."""
-        return invariant_groups(self.layout.capacity, self.max_span, self.kernel.config.tile_n)
+        cx = self.kernel.constexprs
+        return invariant_groups(self.layout.capacity, self.max_span, cx["TILE_N"], cx["IGROUP"])
 
     @property
     def group_slots(self) -> int | None:
@@ -283,11 +288,12 @@ def invariant_slots(max_groups: int) -> int:
     return max_groups + -(-max_groups // INVARIANT_SUPER_GROUPS)
 
 
-def invariant_groups(capacity: int, max_span: int, tile_n: int) -> int:
+def invariant_groups(capacity: int, max_span: int, tile_n: int, group_chunks: int) -> int:
     """Most chunk groups one output has in the batch-invariant mode (every length is clamped to
-    the capacity, and at most ``max_span`` keys are tiled)."""
+    the capacity, and at most ``max_span`` keys are tiled), for chunks of ``tile_n`` keys in
+    groups of ``group_chunks`` (``DecodeConfig.invariant_chunks``)."""
     tiles = -(-min(capacity, max_span) // tile_n)
-    return -(-tiles // INVARIANT_GROUP_CHUNKS)
+    return -(-tiles // group_chunks)
 
 
 def check_tile_count(batch: int, head_units: int, capacity: int, tile_n: int) -> None:

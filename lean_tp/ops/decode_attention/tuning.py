@@ -111,8 +111,13 @@ class DecodeConfig:
     # to its last arriver: MERGE_POLLS.
     merge_polls: int = MERGE_POLLS
     # max_block_g of the batch-invariant variant when not max_block_g: its K/V loop holds two
-    # states (a chunk's and a group's), which at 64 rows spill. See _MLA_ROWS.
+    # states (a chunk's and a group's), which at 64 rows spill, unless its wide blocks take
+    # invariant_wide_tile_n. See _MLA_ROWS.
     invariant_max_block_g: int | None = None
+    # Keys a chunk of the batch-invariant variant's blocks of more than NARROW_ROWS rows when set,
+    # each chunk its own group (``invariant_chunks``): its K/V loop holds one state. None: their
+    # chunks are tile_n keys, folded in groups of INVARIANT_GROUP_CHUNKS. See _MLA_INVARIANT.
+    invariant_wide_tile_n: int | None = None
     # Row blocks of at least this many query rows are computed in two head units, each holding
     # half of V's columns (``rows.unit_cols``) and computing the whole score; None: never. See
     # _MLA_COLS.
@@ -161,6 +166,14 @@ class DecodeConfig:
         rows_t = self.scores_t_rows is not None and block_g >= self.scores_t_rows
         return rows_t and self.v_col_blocks(block_g, invariant) == 1
 
+    def invariant_chunks(self, block_g: int) -> tuple[int, int]:
+        """(keys a chunk, chunks a group) of the batch-invariant variant with blocks of ``block_g``
+        query rows: (invariant_wide_tile_n, 1) for blocks wider than NARROW_ROWS where it is set,
+        else (tile_n, INVARIANT_GROUP_CHUNKS). A chunk is the schedule's tile (invariant.py)."""
+        if self.invariant_wide_tile_n and block_g > NARROW_ROWS:
+            return self.invariant_wide_tile_n, 1
+        return self.tile_n, INVARIANT_GROUP_CHUNKS
+
     def block_n_for(self, block_g: int) -> int:
         """Keys per inner iteration of a block of ``block_g`` query rows (``narrow_block_n``)."""
         return self.narrow_block_n if self.narrow_block_n and block_g <= NARROW_ROWS else self.block_n
@@ -176,6 +189,7 @@ class DecodeConfig:
             "scores_t_rows",
             "split_v_rows",
             "gluon_rows",
+            "invariant_wide_tile_n",
         ):
             value = getattr(self, name) or 16
             if value < 16 or value & (value - 1):
@@ -184,6 +198,11 @@ class DecodeConfig:
             keys = getattr(self, name)
             if keys and self.tile_n % keys:
                 raise ValueError(f"DecodeConfig.tile_n: expected a multiple of {name}={keys}, got {self.tile_n}")
+        if self.invariant_wide_tile_n and self.invariant_wide_tile_n % self.block_n:
+            raise ValueError(
+                f"DecodeConfig.invariant_wide_tile_n: expected a multiple of block_n={self.block_n}, "
+                f"got {self.invariant_wide_tile_n}"
+            )
         if self.split_v_rows and (not self.head_dim_v or self.head_dim_v & (self.head_dim_v - 1)):
             # halves of V's columns are whole blocks: BLOCK_D = head_dim_v / 2 with no padding
             raise ValueError(
@@ -224,6 +243,14 @@ MIN_TILES_PER_PROGRAM = 1
 # hold 512 KB of K and V, and 8 KB per 4096): 2.0% of the cache it covers.
 INVARIANT_GROUP_CHUNKS = 8
 INVARIANT_SUPER_GROUPS = 4
+# Keys a chunk of the batch-invariant variant's MLA blocks of more than NARROW_ROWS rows
+# (``DecodeConfig.invariant_wide_tile_n``), each chunk its own group. Two states of a 64-row block
+# (its chunk's and its group's, 64 x 512 fp32 each) are the whole 256 KB register file of an SM, so
+# such a block holds one, and writes each chunk's value at its end: a chunk of the group's 512 keys
+# writes the bytes per key that the 16-row blocks' groups do (8 row blocks of 16 x 512 a group of
+# 512 keys, against 2 of 64 x 512), and its K/V loop fills its pipeline once a chunk (16 blocks of
+# 32 keys). See _MLA_INVARIANT.
+INVARIANT_WIDE_TILE_N = 512
 # Holders a split group needs for its fold to go in column slices (where the plan folds in
 # slices: ``folds.finish_group``); fewer fold it whole, by its last holder. Each slice round costs
 # a claim, a wave of loads and a count (3 L2 round trips), so slices pay only where holders share
@@ -346,28 +373,22 @@ _MLA = "MLA 576/512: V read from K's tile; 64-key tiles = 72 KB, as a D=128 128-
 # 150 KB of smem, 2 K/V buffers, 16-byte loads, 716 SASS a 32-key iteration against 4 x 521 for
 # 16-row blocks, and no K/V-loop spill at 16 bits and one token (at 255 registers, an e4m3 cache at
 # 64 and 128 heads and Tq 4 reload 1-10 loop-invariant words an iteration; kernel report). The
-# batch-invariant variant keeps 16-row blocks: its loop holds two states, two 64 x 512 fp32
-# accumulators at 64 rows, and halving them does not keep sm_90's loop in registers either (128
-# heads, paged64, at 255 registers: 32-row blocks spill 28 local accesses an iteration, 38 with
-# every feature; a trial of 64-row blocks in two head units of 256 columns, two 64 x 256 states,
-# 35-40 and 42-122). sm_80 runs blocks of up to 32 rows: 64-row blocks there spill 2-6 local
+# batch-invariant variant takes whole 64-row blocks with one state in its loop (_MLA_INVARIANT).
+# sm_80 runs blocks of up to 32 rows: 64-row blocks there spill 2-6 local
 # accesses an iteration (mma.sync for both products; 16- and 32-key blocks, 3-5 stages, 16 warps
 # tried). 32-row blocks (scores keys-major, merged in column
 # slices) take 222-251 registers, no K/V-loop spill, 2 K/V buffers and 108-111 KB, at 572 SASS a
 # 32-key iteration against 2 x 459 for two 16-row blocks (e4m3 649 against 2 x 565; paged16), and
 # read 13.6 KB of shared memory a key against 2 x 8.8 KB: 128 heads read each latent row 4 times,
-# not 8. Its batch-invariant variant keeps 16 rows (32 spill 30 times an iteration). The cost is the
+# not 8. Its batch-invariant variant takes them too (_MLA_INVARIANT). The cost is the
 # merge of wider partials where an output is split (64 KB a contributor): the simulator's A100
 # gives DeepSeek-V3 DP at B >= 32 0.50-1.01x FlashMLA against 0.25-0.53x, and B=1 at 4k 21.8 us
 # against 14.5 (sm_90's 64-row blocks measured the same trade on an H200: BENCHMARKS.md).
 _MLA_ROWS = "; 8 warps, 16-row blocks: no K/V-loop spills, 1 program/SM (kernel report)"
-_MLA_ROWS32 = (
-    "; 8 warps, 32-row blocks (scores K q^T, merged in column slices): no K/V-loop spill, 1 program/SM; "
-    "invariant variant 16-row blocks (kernel report)"
-)
+_MLA_ROWS32 = "; 8 warps, 32-row blocks (scores K q^T, merged in column slices): no K/V-loop spill, 1 program/SM"
 _MLA_ROWS64 = (
     "; 8 warps, 64-row blocks (32 rows up: scores K q^T, merged in column slices): no K/V-loop spill at "
-    "16 bits, 1 program/SM; invariant variant 16-row blocks (kernel report)"
+    "16 bits, 1 program/SM"
 )
 # A 16-row block's score product (q K^T, mma.sync: 16 x 8 tiles over warpsPerCTA [1, 8]) is a chain of
 # 36 dependent multiply-adds a warp (576 columns / 16) however many keys a block holds. At 32-key
@@ -436,6 +457,24 @@ _MLA_GLUON = "; 64+ rows of a bf16 cache on the Gluon kernel (gluon_rows): 1.72-
 # Tq 2 merges 32-row partials, and the simulator puts 128 there at 0.87x of 64 at 32k
 # (docs/simulator/mla.md; unmeasured). The merge tree's chain grows to 8 + 16 partials.
 _MLA_CONTRIBUTORS = "; one sequence of one token: 128 contributors, B=1 32k 1.11x (16-bit), 1.22x (e4m3) (H200)"
+# The batch-invariant variant of DP attention's rows: 64-row blocks on sm_90, 32 on sm_80 (16-row
+# blocks read each latent row 8 times at 128 heads). Such a block's K/V loop cannot hold the two
+# states the 16-row blocks fold chunks in (a chunk's and its group's: two 64 x 512 fp32 states are
+# an SM's whole 256 KB register file; 32-row blocks spilled 28 local accesses an iteration on
+# sm_90, 30 on sm_80), so its chunks are INVARIANT_WIDE_TILE_N = 512 keys, each its own group,
+# attended in a K/V loop of their own from a fresh state (``chunks._attend_group_chunks``).
+# Compiled as launched (paged64, 128 heads; kernel report): sm_90 646 SASS a 32-key iteration
+# (the default's 64-row block: 652), 2 K/V buffers, 16-byte loads, and 6 reloads of loop-invariant
+# words (shared-memory addresses) an iteration from L1, nothing stored (Tq 4: 6; e4m3: 11;
+# paged16, two page ids a block: 13), with about 1.2 KB of spills outside the loop (its folds hold
+# 64 x 512 values); sm_80's 32-row blocks 593 SASS, no K/V-loop spill (Tq 4
+# and e4m3 too). The schedule deals 512-key tiles, so a short sequence has few: modelled on an
+# H100 (simulator, unmeasured), DP attention at 16 bits takes 2.04-2.22x the default's time from B=8
+# (DeepSeek-V3, Tq 1 and 2; Kimi-K2 1.77-1.84x from 32k) against 3.56-4.85x in 16-row blocks, 82
+# of the 96 DP shapes are faster (0.44-0.99x the 16-row blocks' time), and B=1 slower at 4k (52.6
+# us against 9.4-15.5: 16 tiles for 132 SMs) and for Kimi-K2 at 32k-128k (1.09-1.17x); the A100
+# (32-row blocks) 80 of 96 faster, B=1 at 4k up to 2.33x slower.
+_MLA_INVARIANT = "; invariant variant the same wide blocks, one state, 512-key chunks (kernel report, simulator)"
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 
@@ -741,8 +780,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
-        reason=_MLA + _MLA_ROWS32 + _AHEAD,
+        invariant_max_block_g=32,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
+        reason=_MLA + _MLA_ROWS32 + _MLA_INVARIANT + _AHEAD,
     ),
     ("sm90", 576, 2): DecodeConfig(
         tile_n=64,
@@ -756,7 +796,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
+        invariant_max_block_g=64,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
         split_v_rows=128,
         split_v_fewer_stages=1,
         one_sequence_max_block_g=16,
@@ -764,6 +805,7 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         gluon_rows=64,
         reason=_MLA
         + _MLA_ROWS64
+        + _MLA_INVARIANT
         + _MLA_KEYS64
         + _STAGES
         + _AHEAD
@@ -783,8 +825,9 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
-        reason=_MLA + _MLA_ROWS32 + _MLA_FP8_SM80 + _AHEAD,
+        invariant_max_block_g=32,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
+        reason=_MLA + _MLA_ROWS32 + _MLA_INVARIANT + _MLA_FP8_SM80 + _AHEAD,
     ),
     ("sm90", 576, 1): DecodeConfig(
         tile_n=64,
@@ -798,10 +841,11 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         paged_stages=5,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
+        invariant_max_block_g=64,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
         split_v_rows=128,
         one_sequence_max_contributors=2 * MAX_CONTRIBUTORS,
-        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_KEYS64 + _AHEAD + _MLA_COLS + _MLA_CONTRIBUTORS,
+        reason=_MLA_FP8 + _MLA_ROWS64 + _MLA_INVARIANT + _MLA_KEYS64 + _AHEAD + _MLA_COLS + _MLA_CONTRIBUTORS,
     ),
     ("interp", 576, 2): DecodeConfig(
         tile_n=64,
@@ -814,7 +858,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
+        invariant_max_block_g=64,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
         split_v_rows=128,
         one_sequence_max_block_g=16,
         reason="interpreter: mirrors the sm90 MLA entry, untimed",
@@ -830,7 +875,8 @@ TUNING_TABLE: dict[tuple[str, int, int], DecodeConfig] = {
         merge_wave_elems=8192,
         head_dim_v=512,
         scores_t_rows=32,
-        invariant_max_block_g=16,
+        invariant_max_block_g=64,
+        invariant_wide_tile_n=INVARIANT_WIDE_TILE_N,
         split_v_rows=128,
         reason="interpreter: mirrors the sm90 MLA fp8 entry, untimed",
     ),
@@ -847,6 +893,14 @@ TUNING_TABLE |= {
     for arch in ("sm86", "sm89", "sm120")
 }
 
+
+def _drop(reason: str, *parts: str) -> str:
+    """``reason`` without the given parts of it."""
+    for part in parts:
+        reason = reason.replace(part, "")
+    return reason
+
+
 # MLA on the 99 KB parts: sm_80's 32-row blocks stage 108-111 KB, so they keep 16-row blocks
 # (90-92 KB, no K/V-loop spill; kernel report --archs).
 TUNING_TABLE |= {
@@ -855,7 +909,8 @@ TUNING_TABLE |= {
         max_block_g=16,
         scores_t_rows=None,
         invariant_max_block_g=None,
-        reason=TUNING_TABLE[("sm80", 576, elem)].reason.replace(_MLA_ROWS32, _MLA_ROWS)
+        invariant_wide_tile_n=None,
+        reason=_drop(TUNING_TABLE[("sm80", 576, elem)].reason, _MLA_INVARIANT).replace(_MLA_ROWS32, _MLA_ROWS)
         + "; 99 KB a block: 16-row blocks (32-row blocks stage 108-111 KB; kernel report)",
     )
     for arch in ("sm86", "sm89", "sm120")
@@ -908,13 +963,6 @@ TUNING_TABLE |= {
     # sm_100's own entry where it has one, else the one it takes (archs.ARCHS: sm_90's)
     for entry in (TUNING_TABLE.get(("sm100", d, elem)) or TUNING_TABLE[(ARCHS["sm100"].tuning, d, elem)],)
 }
-
-
-def _drop(reason: str, *parts: str) -> str:
-    """``reason`` without the given parts of it."""
-    for part in parts:
-        reason = reason.replace(part, "")
-    return reason
 
 
 # sm_100 keeps 64-row blocks at 128 heads, one sequence's too, and 64 contributors an output: the

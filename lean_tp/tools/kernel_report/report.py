@@ -255,7 +255,7 @@ def report_jobs(variants: bool = False, overrides: tuple[tuple[str, int], ...] =
             jobs += [
                 (arch, head_dim, "fp16", "paged16", g, False, overrides, f)
                 for g in MLA_GROUPS[1:]
-                for f in ("", "fp8_e4m3")
+                for f in ("", "fp8_e4m3", "invariant")
             ]
             if variants:
                 jobs.append((arch, head_dim, "bf16", "paged64", 128, False, overrides, ""))
@@ -324,6 +324,11 @@ def arch_jobs(
     return [job for job in jobs if _valid(_entry(job[0], job[1], job[2], job[7]), overrides)]
 
 
+# MLA's other ranks' rows the CPU tests compile: DP attention's 128 heads at 16 bits, and their
+# batch-invariant variant (its wide blocks, one state in the K/V loop: ``chunks._attend_group_chunks``).
+WIDE_SAMPLE = ((128, ""), (128, "invariant"))
+
+
 def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     """What the CPU tests compile, a third of ``--variants``: the one-token decode rows of every
     16-bit entry and layout (MLA's: two layouts, and e4m3) and of every fp32 entry on one layout;
@@ -336,9 +341,10 @@ def sample_jobs(jobs: list[tuple]) -> list[tuple]:
     for job in jobs:
         # MLA's kernels take about 3x a D=128 kernel's compile: the sample keeps their 16-bit rows on
         # the contiguous and paged16 layouts and their e4m3 rows, the rest is the full report's.
-        if paired_head_dim_v(job[1]) and (job[3] == "paged64" or job[7] not in ("", "fp8_e4m3") or job[2] == "bf16"):
+        kept = job[7] in ("", "fp8_e4m3") or (job[4], job[7]) in WIDE_SAMPLE
+        if paired_head_dim_v(job[1]) and (job[3] == "paged64" or not kept or job[2] == "bf16"):
             continue
-        if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[7]) != (128, ""):
+        if paired_head_dim_v(job[1]) and job[4] != MLA_GROUP and (job[4], job[7]) not in WIDE_SAMPLE:
             continue  # of the other ranks' groups, 128 at 16 bits (sm_90: a 128-row block in column halves; sm_80: four of 32)
         if job[4] == report_group(job[1]) and not job[5] and job[2] != "bf16" and not job[7]:
             if job[2] == "fp32":  # an entry's jobs come in LAYOUTS order: keep one, rotating by entry
@@ -367,7 +373,7 @@ def _pick(features: str, of_arch: list[tuple], i: int) -> tuple:
     variant compiles in 14-21 s on 2 cores against 27-60 s at 64 and 128 (Triton's coalescing pass
     over the folds' unrolled waves: ``ARCH_SAMPLE_INVARIANT``)."""
     if features in INVARIANT_BASE or features and features in INVARIANT_BASE.values():
-        return max((j for j in of_arch if not paired_head_dim_v(j[1])), key=lambda j: j[1])
+        return max(of_arch, key=lambda j: (not paired_head_dim_v(j[1]), j[1]))
     return of_arch[i % len(of_arch)]
 
 
@@ -464,6 +470,10 @@ def _dims(head_dim: int, head_dim_v: int) -> str:
     return f"{head_dim}/{head_dim_v}" if head_dim_v != head_dim else str(head_dim)
 
 
+# The MLA table's rows by feature, and its cache column's label ({}: q's dtype).
+MLA_ROW_FEATURES = {"": "{}", "fp8_e4m3": "e4m3", "invariant": "{}, invariant"}
+
+
 def to_markdown(rows: list[KernelStats]) -> str:
     """The base kernels (one-token decode, every entry and layout), then the serving-feature variants."""
     gpu = REPORT_PART
@@ -493,13 +503,13 @@ def to_markdown(rows: list[KernelStats]) -> str:
             f"| {r.bytes_per_key:.0f} | {r.block_n} | {r.sass_per_iter} | {r.issue_share:.2f} | {r.page_ids_read_same_iter} / {r.page_id_loads} |"
         )
     mla = sorted(
-        (r for r in rows if r.head_dim_v != r.head_dim and r.features in ("", "fp8_e4m3") and r.layout == "paged16"),
+        (r for r in rows if r.head_dim_v != r.head_dim and r.features in MLA_ROW_FEATURES and r.layout == "paged16"),
         key=lambda r: (r.arch, r.features, r.group),
     )
     lines += [
         "",
         "MLA's row blocks, paged16, one query token: a KV head's rows (its group) in row blocks, each reading "
-        "every latent row (reads a latent row = row blocks):",
+        "every latent row (reads a latent row = row blocks); the batch-invariant variant's blocks too:",
         "",
         "| arch | group | cache | rows a block | reads a latent row | regs | spill B | loop spills | smem KB "
         "| K/V B per key | BLOCK_N | SASS/iter | SASS a key and head | issue share | smem B read a key |",
@@ -507,7 +517,7 @@ def to_markdown(rows: list[KernelStats]) -> str:
     ]
     for r in mla:
         lines.append(
-            f"| {r.arch} | {r.group} | {'e4m3' if r.features else r.dtype} | {r.block_g} | {r.row_blocks} | {r.regs} "
+            f"| {r.arch} | {r.group} | {MLA_ROW_FEATURES[r.features].format(r.dtype)} | {r.block_g} | {r.row_blocks} | {r.regs} "
             f"| {r.spill_bytes} | {r.loop_spills} | {r.shared_bytes / 1024:.1f} | {r.bytes_per_key:.0f} | {r.block_n} "
             f"| {r.sass_per_iter} | {r.sass_per_iter * r.row_blocks / (r.block_n * r.group):.2f} | {r.issue_share:.2f} "
             f"| {r.smem_read_bytes / r.block_n:.0f} |"

@@ -245,7 +245,7 @@ def lean_sim_schedule(
         return gluon_sim_schedule(problem, gpu)
     config, cx = variant.config, variant.constexprs
     per_sm = programs_per_sm or config.max_programs_per_sm
-    head_units, tile = problem.n_kv_heads * cx["NUM_GC"], config.tile_n
+    head_units, tile = problem.n_kv_heads * cx["NUM_GC"], cx["TILE_N"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lens = schedule_lens(problem, variant)
     programs = lean_schedule(
@@ -296,7 +296,17 @@ def lean_sim_schedule(
     idle = {(p, segments[-1].slot) for p, segments in enumerate(programs) if segments}
     if batch_invariant:
         end, chain = _invariant_merges(
-            programs, seg_end, kv_end, partial, cx["WAVE"], gpu, idle, slices, cx["SLICE_WAVE"], config.merge_polls
+            programs,
+            seg_end,
+            kv_end,
+            partial,
+            cx["WAVE"],
+            gpu,
+            idle,
+            slices,
+            cx["SLICE_WAVE"],
+            config.merge_polls,
+            cx["IGROUP"],
         )
         merge_bytes = chain * partial
     else:
@@ -417,10 +427,12 @@ def _invariant_merges(
     slices: int = 1,
     slice_wave: int = 0,
     polls: int = MERGE_POLLS,
+    group_chunks: int = INVARIANT_GROUP_CHUNKS,
 ) -> tuple[float, int]:
     """(end, longest chain of partials) of the batch-invariant mode's folds (``invariant.py``),
     each a left-to-right fold of ``wave`` partials loaded at once: one L2 round trip per wave, plus
-    the arrival atomic where several programs count in. A group of ``INVARIANT_GROUP_CHUNKS`` chunks
+    the arrival atomic where several programs count in. A group of ``group_chunks`` chunks (the
+    plan's IGROUP)
     is ready when its holders' segments end (one holder: in registers; several: its last holder
     folds the first holder's fold and each later chunk); a supergroup of
     ``INVARIANT_SUPER_GROUPS`` groups when its groups are, then folded from the workspace; an output
@@ -444,20 +456,20 @@ def _invariant_merges(
     end, chain = kv_end, 0
     for unit, held in pieces.items():
         n = max(first + n_tiles for first, n_tiles, *_ in held)
-        if len(held) == 1 and n <= INVARIANT_GROUP_CHUNKS * INVARIANT_SUPER_GROUPS:
-            stored = math.ceil(n / INVARIANT_GROUP_CHUNKS) - 1
+        if len(held) == 1 and n <= group_chunks * INVARIANT_SUPER_GROUPS:
+            stored = math.ceil(n / group_chunks) - 1
             if stored:  # the stored groups' round trip, then their loads
                 finish = held[0][3] + gpu.l2_latency_us + _merge_level_us(stored, wave, partial, gpu, False)
                 end, chain = max(end, finish), max(chain, stored + 1)
             continue
         groups = [
-            _group_ready(held, g0, min(g0 + INVARIANT_GROUP_CHUNKS, n), partial, wave, gpu, slices, slice_wave, polls)
-            for g0 in range(0, n, INVARIANT_GROUP_CHUNKS)
+            _group_ready(held, g0, min(g0 + group_chunks, n), partial, wave, gpu, slices, slice_wave, polls)
+            for g0 in range(0, n, group_chunks)
         ]
         supers = []
         for k0 in range(0, len(groups), INVARIANT_SUPER_GROUPS):
             members = groups[k0 : k0 + INVARIANT_SUPER_GROUPS]
-            t0, t1 = k0 * INVARIANT_GROUP_CHUNKS, min((k0 + len(members)) * INVARIANT_GROUP_CHUNKS, n)
+            t0, t1 = k0 * group_chunks, min((k0 + len(members)) * group_chunks, n)
             own = [x for x in held if x[0] < t1 and x[0] + x[1] > t0]
             ready = max(r for r, _ in members)
             if slice_wave and len(members) > 1 and len(own) >= INVARIANT_SUPER_SLICE_HOLDERS:
