@@ -98,17 +98,23 @@ MLA_ABLATIONS = {
 }
 
 
-def _lean_with(overrides: dict):
-    """A peer running lean with its tuning entry's ``overrides`` (``MLA_ABLATIONS``)."""
+def _lean_with(overrides: dict, **options):
+    """A peer running lean with its tuning entry's ``overrides`` (``MLA_ABLATIONS``), and the
+    call's ``options`` (``batch_invariant``)."""
 
     def prepare(s: Inputs):
         q, k = s["q"], s["k_cache"]
         entry = get_config(q.device, k.shape[-1], q.dtype, k.dtype, s["v_cache"].shape[-1])
         config = dataclasses.replace(entry, **overrides)
         call = dict(s, softmax_scale=k.shape[-1] ** -0.5, block_table=s.get("block_table"), config=config)
-        return lambda: decode_attention_fwd(**call)[0]
+        return lambda: decode_attention_fwd(**call, **options)[0]
 
     return prepare
+
+
+# The batch-invariant mode in 16-row blocks of 64-key chunks under DP attention, against its wide
+# blocks in 512-key chunks (tuning's _MLA_INVARIANT: modelled 0.44-0.57x of this from B=8).
+INVARIANT_ROWS16 = dict(invariant_max_block_g=16, invariant_wide_tile_n=None)
 
 
 def _lean_gluon(overlap: bool):
@@ -329,6 +335,14 @@ PEERS: dict[str, Peer] = {
     for p in (
         Peer("lean", _lean, triton=True, features=_LEAN_FEATURES),
         Peer("lean-invariant", _lean_invariant, triton=True, features=_LEAN_FEATURES, opt_in=True),
+        Peer(
+            "lean-invariant-rows16",
+            _lean_with(INVARIANT_ROWS16, batch_invariant=True),
+            triton=True,
+            features=frozenset({"fp8", "paged", "mla", "tq"}),
+            only="mla",
+            opt_in=True,
+        ),
         *(
             Peer(
                 name, _lean_with(overrides), triton=True, features=frozenset({"fp8", "paged", "mla", "tq"}), only="mla"

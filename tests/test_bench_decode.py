@@ -63,6 +63,17 @@ def test_lean_invariant_runs_when_named(tmp_path, dry_run):
     assert "lean-invariant" not in row["notes"], row["notes"]
 
 
+def test_lean_invariant_in_16_row_blocks_runs_when_named(tmp_path, dry_run):
+    """``lean-invariant-rows16`` (the invariant mode with its entry's 16-row blocks, against which
+    DP attention's wide blocks are modelled) is opt-in and MLA's: timed when named, its output
+    within the check of lean's."""
+    default_row = next(csv.DictReader(open(dry_run[0] / "bench_decode.csv")))
+    assert PEERS["lean-invariant-rows16"].opt_in and "lean-invariant-rows16_us" not in default_row
+    _dry_bench(tmp_path, "--sweeps", "mla", "--dtypes", "fp16", "--peers", "lean", "lean-invariant-rows16")
+    for row in csv.DictReader(open(tmp_path / "bench_decode.csv")):
+        assert float(row["lean-invariant-rows16_us"]) > 0 and "lean-invariant-rows16" not in row["notes"], row
+
+
 def test_dry_run_times_mla_against_the_mla_peers_it_has(tmp_path):
     """The MLA sweep's plumbing (fp16: the MLA kernel takes a 16-bit q): lean decodes a latent cache
     of 64-row pages with V its first 512 dims, for one query token and for two (MTP's verification,
