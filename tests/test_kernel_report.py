@@ -251,7 +251,8 @@ def test_invariant_kernels_keep_their_default_kernels_occupancy(stats):
 def _wide_invariant_reloads(s: KernelStats) -> int:
     """K/V-loop local accesses a kernel may make: sm_90's batch-invariant 64-row MLA block reloads
     loop-invariant words an iteration from L1, loads only (``chunks._attend_group_chunks``,
-    tuning's _MLA_INVARIANT: 6 on paged64, 13 on paged16, the sample's); every other kernel none."""
+    tuning's _MLA_INVARIANT: 6 on paged64, 13 on paged16 at 128 heads, the sample's); every other
+    kernel none."""
     return 13 if (s.arch, s.head_dim, s.block_g, s.features) == ("sm90", 576, 64, "invariant") else 0
 
 

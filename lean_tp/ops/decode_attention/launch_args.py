@@ -187,10 +187,8 @@ def alloc_workspace(
 def plan_workspace(plan: DecodePlan, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``alloc_workspace`` for a Triton plan."""
     kernel = plan.kernel
-    slots = plan.group_slots
-    return alloc_workspace(
-        plan.num_programs, kernel.block_g, plan.layout.head_dim_v, device, slots, kernel.constexprs["IGROUP"]
-    )
+    igroup = kernel.constexprs["IGROUP"]
+    return alloc_workspace(plan.num_programs, kernel.block_g, plan.layout.head_dim_v, device, plan.group_slots, igroup)
 
 
 def check_workspace(workspace: object, plan: DecodePlan) -> None:
@@ -202,5 +200,6 @@ def check_workspace(workspace: object, plan: DecodePlan) -> None:
     if got != expected or not all(w.is_contiguous() for w in parts):
         raise ValueError(
             f"workspace: expected contiguous tensors (shape, dtype) {expected} (alloc_workspace({plan.num_programs}, "
-            f"{plan.kernel.block_g}, {plan.layout.head_dim_v}, group_slots={plan.group_slots})), got {got}"
+            f"{plan.kernel.block_g}, {plan.layout.head_dim_v}, group_slots={plan.group_slots}, "
+            f"group_chunks={plan.kernel.constexprs['IGROUP']})), got {got}"
         )

@@ -466,8 +466,8 @@ _MLA_CONTRIBUTORS = "; one sequence of one token: 128 contributors, B=1 32k 1.11
 # Compiled as launched (paged64, 128 heads; kernel report): sm_90 646 SASS a 32-key iteration
 # (the default's 64-row block: 652), 2 K/V buffers, 16-byte loads, and 6 reloads of loop-invariant
 # words (shared-memory addresses) an iteration from L1, nothing stored (Tq 4: 6; e4m3: 11;
-# paged16, two page ids a block: 13), with about 1.2 KB of spills outside the loop (its folds hold
-# 64 x 512 values); sm_80's 32-row blocks 593 SASS, no K/V-loop spill (Tq 4
+# paged16, two page ids a block: 13, at 64 heads 15), with about 1.2 KB of spills outside the
+# loop (its folds hold 64 x 512 values); sm_80's 32-row blocks 593 SASS, no K/V-loop spill (Tq 4
 # and e4m3 too). The schedule deals 512-key tiles, so a short sequence has few: modelled on an
 # H100 (simulator, unmeasured), DP attention at 16 bits takes 2.04-2.22x the default's time from B=8
 # (DeepSeek-V3, Tq 1 and 2; Kimi-K2 1.77-1.84x from 32k) against 3.56-4.85x in 16-row blocks, 82
