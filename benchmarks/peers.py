@@ -113,7 +113,7 @@ def _lean_with(overrides: dict, **options):
 
 
 # The batch-invariant mode in 16-row blocks of 64-key chunks under DP attention, against its wide
-# blocks in 512-key chunks (tuning's _MLA_INVARIANT: modelled 0.44-0.57x of this from B=8).
+# blocks in 512-key chunks (tuning's _MLA_INVARIANT: modelled 0.44-0.59x of this from B=8).
 INVARIANT_ROWS16 = dict(invariant_max_block_g=16, invariant_wide_tile_n=None)
 
 

@@ -238,10 +238,10 @@ def _attend_group_chunks(
     written to slot group_slot0 + its index, but the output's last with ``whole``. Returns the
     range's last chunk (with ``whole``, the output's, unwritten) and ``bad``. A group of one
     chunk is the chunk (folding a partial into the empty state gives its bits back), so the loop
-    holds one state, and no group begins in an earlier program. A K/V loop a chunk: the chunk's
-    end is outside the loop (inside it, the end's reset and store cost ptxas registers it takes
-    from the loop: sm_90's 64-row block, paged64, reloaded 10 loop-invariant words an iteration
-    against 6), and the pipeline fills once a chunk of many blocks."""
+    holds one state, and no group begins in an earlier program. A K/V loop a chunk: the loop is
+    the default's, its end (reset and store) outside it (sm_90's 64-row block, paged64: 676 SASS
+    an iteration against 991 with the end in one loop over the range), at one pipeline fill a
+    chunk of 16 blocks."""
     b_q, _, b_qt = q_operands(b_q, b_q, b_qt, SCORES_T)
     c_acc, c_m, c_l = empty_state(BLOCK_G, BLOCK_D)
     for c0 in range(n_lo, n_hi, TILE_N):

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from lean_tp.ops.decode_attention.chunks import empty_state, fold_pair
-from lean_tp.ops.decode_attention.merge import arrive, load_partial, store_partial
+from lean_tp.ops.decode_attention.merge import arrive, load_partial, store_cols, store_ml, store_partial
 from lean_tp.ops.decode_attention.schedule import cdiv, program_of_tile, program_start
 from lean_tp.ops.decode_attention.slices import slice_stored, takes_part
 from lean_tp.ops.decode_attention.tuning import INVARIANT_SLICE_HOLDERS, INVARIANT_SUPER_SLICE_HOLDERS
@@ -77,6 +77,29 @@ def fold_slots(
 
 
 @triton.jit
+def _fold_in_slices(
+    ws_acc_ptr,
+    ws_ml_ptr,
+    slot0,
+    n,
+    o_slot,
+    n_rows,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
+    MOST: tl.constexpr,
+):
+    """The fold of the values in slots [slot0, slot0 + n) into slot o_slot, by this program, column
+    slice by column slice (``fold_slots``: each column folds as in a whole fold)."""
+    acc, m, l = empty_state(BLOCK_G, COLS)
+    for c0 in range(0, BLOCK_D, COLS):
+        acc, m, l = fold_slots(ws_acc_ptr, ws_ml_ptr, slot0, n, n_rows, c0, BLOCK_D, BLOCK_G, COLS, SLICE_WAVE, MOST)
+        store_cols(ws_acc_ptr, o_slot, n_rows, acc, c0, BLOCK_D, BLOCK_G)
+    store_ml(ws_ml_ptr, o_slot, n_rows, m, l, BLOCK_G)
+
+
+@triton.jit
 def count_in(counter_ptr, t_first, t_last, n_members, total, n_active, in_order, RESET: tl.constexpr):
     """Whether this program makes the last of n_members values of a fold over tiles [t_first,
     t_last] known: by count at the counter of their first holder (``merge.arrive``: RESET zeroes
@@ -137,17 +160,23 @@ def group_known(
     IGROUP: tl.constexpr,
     ISUPER: tl.constexpr,
     WAVE: tl.constexpr,
-    SLICED: tl.constexpr,
+    COLS: tl.constexpr,
+    SLICE_WAVE: tl.constexpr,
 ):
     """Group k's value is in its slot (slot0 + k), written by this program (and in g when
     ``held``): the last of its supergroup's groups to be known folds the supergroup, or, where the
-    supergroup is folded in column slices (SLICED and ``super_in_slices``), owns that fold
+    supergroup is folded in column slices (SLICE_WAVE and ``super_in_slices``), owns that fold
     (``output_fold.finish_super``). A supergroup of one group is that group's value: nothing to
     count. An output of one supergroup is its value; of several, each is stored and counted in, and
     the last to be known folds the output, or, where the output is folded in column slices
-    (SLICED), owns that fold (``output_fold.finish_output``, whose last leaver zeroes the counts).
-    Returns (whether this program finished the output, whether it owns the output's sliced fold,
-    whether it owns the supergroup's, and the output's state when it finished it)."""
+    (SLICE_WAVE), owns that fold (``output_fold.finish_output``, whose last leaver zeroes the
+    counts). Wide row blocks (IGROUP 1) fold a supergroup into its slot in column slices of COLS,
+    and own the output's fold for any number of supergroups: a 64 x 512 value folded whole takes
+    two such states in registers, which ptxas makes room for by reloading values held across the
+    K/V loop there. Returns (whether this program finished the output, whether it owns the
+    output's sliced fold, whether it owns the supergroup's, and the output's state when it
+    finished it)."""
+    SLICED: tl.constexpr = SLICE_WAVE > 0
     sg = k // ISUPER
     t0, t_end, k0, k1 = super_span(out_start, n_tiles, sg, IGROUP, ISUPER)
     single = k1 - k0 == 1
@@ -164,29 +193,55 @@ def group_known(
     owner = False
     acc, m, l = empty_state(BLOCK_G, BLOCK_D)
     if s_done & (s_owner == 0):
-        if single & held:
-            acc, m, l = g_acc, g_m, g_l
+        if IGROUP == 1:
+            _fold_in_slices(
+                ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, slot0 + max_groups + sg, n_rows, BLOCK_D, BLOCK_G, COLS,
+                SLICE_WAVE, ISUPER,
+            )  # fmt: skip
+            owner = super_counted(
+                counter_ptr, sg, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, True
+            )
         else:
-            acc, m, l = fold_slots(
-                ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
-            )
-        n_supers = supers_of(n_tiles, IGROUP, ISUPER)
-        done = n_supers == 1
-        if n_supers > 1:
-            store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + sg, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
-            last = super_counted(
-                counter_ptr, sg, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, SLICED
-            )
-            if SLICED:
-                owner = last
-            else:
-                done = last
-                if done:
-                    acc, m, l = fold_slots(
-                        ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D,
-                        WAVE, WAVE,
-                    )  # fmt: skip
+            done, owner, acc, m, l = _fold_super(
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, sg, k0, k1, single & held, g_acc, g_m, g_l, out_start, n_tiles,
+                slot0, max_groups, total, n_active, num_programs, n_rows, BLOCK_D, BLOCK_G, IGROUP, ISUPER, WAVE,
+                SLICED,
+            )  # fmt: skip
     return done, owner, s_owner, acc, m, l
+
+
+@triton.jit
+def _fold_super(
+    ws_acc_ptr, ws_ml_ptr, counter_ptr, sg, k0, k1, held, g_acc, g_m, g_l, out_start, n_tiles, slot0, max_groups,
+    total, n_active, num_programs, n_rows, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, IGROUP: tl.constexpr,
+    ISUPER: tl.constexpr, WAVE: tl.constexpr, SLICED: tl.constexpr,
+):  # fmt: skip
+    """``group_known``'s fold of supergroup sg (groups [k0, k1)) whole: its one group's value in g
+    (``held``) or its groups' from their slots. An output of one supergroup is that value (done);
+    of several, the value is stored and counted in, and the last known folds the output, or, with
+    SLICED, owns its fold. Returns (done, owner, and the output's state when done)."""
+    owner = False
+    if held:
+        acc, m, l = g_acc, g_m, g_l
+    else:
+        acc, m, l = fold_slots(
+            ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE, ISUPER
+        )
+    n_supers = supers_of(n_tiles, IGROUP, ISUPER)
+    done = n_supers == 1
+    if n_supers > 1:
+        store_partial(ws_acc_ptr, ws_ml_ptr, slot0 + max_groups + sg, n_rows, acc, m, l, BLOCK_D, BLOCK_G)
+        last = super_counted(counter_ptr, sg, out_start, n_tiles, total, n_active, num_programs, IGROUP, ISUPER, SLICED)
+        if SLICED:
+            owner = last
+        else:
+            done = last
+            if done:
+                acc, m, l = fold_slots(
+                    ws_acc_ptr, ws_ml_ptr, slot0 + max_groups, n_supers, n_rows, 0, BLOCK_D, BLOCK_G, BLOCK_D, WAVE,
+                    WAVE,
+                )  # fmt: skip
+    return done, owner, acc, m, l
 
 
 @triton.jit
@@ -373,6 +428,7 @@ def finish_group(
             IGROUP,
             ISUPER,
             WAVE,
-            SLICED,
+            COLS,
+            SLICE_WAVE,
         )
     return done, owner, s_owner, acc, m, l

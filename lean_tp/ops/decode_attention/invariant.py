@@ -115,9 +115,11 @@ def attend_invariant(
     ``output_fold.finish_output``). Returns (whether this program finishes the output, whether it
     owns the output's sliced fold, whether it owns the sliced fold of the supergroup of chunk tile,
     of chunk stop - 1, and the output's state when it finishes it)."""
-    SLICED: tl.constexpr = SLICE_WAVE > 0
-    # An output of one supergroup that this program holds whole is folded by it, with no count.
+    # An output of one supergroup that this program holds whole is folded by it, with no count;
+    # wide row blocks' (IGROUP 1) are folded in column slices from the workspace (``group_known``).
     whole = (tile == 0) & (seg_n == n_tiles) & (n_tiles <= IGROUP * ISUPER)
+    if IGROUP == 1:
+        whole = False
     stop = tile + seg_n
     # Chunks [tile, lead_end) finish a group that an earlier program began: published one by one.
     lead_end = tl.minimum(cdiv(tile, IGROUP) * IGROUP, stop)
@@ -219,67 +221,31 @@ def attend_invariant(
                 IGROUP,
                 ISUPER,
                 WAVE,
-                SLICED,
+                COLS,
+                SLICE_WAVE,
             )
             done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
             owner = owner | f_owner
             own_lead, own_end = _owns(own_lead, own_end, s_owner, k, tile, stop, IGROUP, ISUPER)
-    if lead_end > tile:
-        fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
-            ws_acc_ptr,
-            ws_ml_ptr,
-            counter_ptr,
-            pid,
-            tile // IGROUP,
-            out_start,
-            n_tiles,
-            slot0,
-            max_groups,
-            total,
-            n_active,
-            num_programs,
-            n_rows,
-            BLOCK_D,
-            BLOCK_G,
-            IGROUP,
-            ISUPER,
-            WAVE,
-            COLS,
-            SLICE_WAVE,
-            POLLS,
-        )
-        done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
-        owner = owner | f_owner
-        own_lead, own_end = _owns(own_lead, own_end, s_owner, tile // IGROUP, tile, stop, IGROUP, ISUPER)
-    if (stop % IGROUP != 0) & (stop < n_tiles) & (stop // IGROUP * IGROUP >= lead_end):
-        # The range ends inside a group it began: publish the fold of its chunks of it.
-        store_partial(ws_acc_ptr, ws_ml_ptr, pid * IGROUP + IGROUP - 1, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
-        fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
-            ws_acc_ptr,
-            ws_ml_ptr,
-            counter_ptr,
-            pid,
-            stop // IGROUP,
-            out_start,
-            n_tiles,
-            slot0,
-            max_groups,
-            total,
-            n_active,
-            num_programs,
-            n_rows,
-            BLOCK_D,
-            BLOCK_G,
-            IGROUP,
-            ISUPER,
-            WAVE,
-            COLS,
-            SLICE_WAVE,
-            POLLS,
-        )
-        done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
-        owner = owner | f_owner
-        own_lead, own_end = _owns(own_lead, own_end, s_owner, stop // IGROUP, tile, stop, IGROUP, ISUPER)
+    if IGROUP > 1:  # groups split over programs (a group of one chunk never is)
+        if lead_end > tile:
+            fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, tile // IGROUP, out_start, n_tiles, slot0, max_groups, total,
+                n_active, num_programs, n_rows, BLOCK_D, BLOCK_G, IGROUP, ISUPER, WAVE, COLS, SLICE_WAVE, POLLS,
+            )  # fmt: skip
+            done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
+            owner = owner | f_owner
+            own_lead, own_end = _owns(own_lead, own_end, s_owner, tile // IGROUP, tile, stop, IGROUP, ISUPER)
+        if (stop % IGROUP != 0) & (stop < n_tiles) & (stop // IGROUP * IGROUP >= lead_end):
+            # The range ends inside a group it began: publish the fold of its chunks of it.
+            store_partial(ws_acc_ptr, ws_ml_ptr, pid * IGROUP + IGROUP - 1, n_rows, g_acc, g_m, g_l, BLOCK_D, BLOCK_G)
+            fin, f_owner, s_owner, f_acc, f_m, f_l = finish_group(
+                ws_acc_ptr, ws_ml_ptr, counter_ptr, pid, stop // IGROUP, out_start, n_tiles, slot0, max_groups, total,
+                n_active, num_programs, n_rows, BLOCK_D, BLOCK_G, IGROUP, ISUPER, WAVE, COLS, SLICE_WAVE, POLLS,
+            )  # fmt: skip
+            done, o_acc, o_m, o_l = _take(fin, done, f_acc, f_m, f_l, o_acc, o_m, o_l)
+            owner = owner | f_owner
+            own_lead, own_end = _owns(own_lead, own_end, s_owner, stop // IGROUP, tile, stop, IGROUP, ISUPER)
     return done, owner, own_lead, own_end, o_acc, o_m, o_l
 
 

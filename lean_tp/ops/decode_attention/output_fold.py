@@ -72,8 +72,8 @@ def finish_output(
     """Finish this program's segment, chunks [tile, tile + seg_n), of an output, where its folds go
     in column slices (``group_known``'s SLICED): first the supergroup folds in slices it owns
     (``own_lead``, ``own_end``: ``finish_super``) or helps with, then, for an output of several
-    supergroups, the output's, once the last of them is known: slices of COLS, SLICE_WAVE values
-    loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
+    supergroups (wide row blocks, IGROUP 1: of any number), the output's, once the last of them is
+    known: slices of COLS, SLICE_WAVE values loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
     with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
     slice folds the same values in the same order, so who folds it never changes its bits. Where
     several programs hold the output (of any number of supergroups), each counts itself out here,
@@ -98,7 +98,11 @@ def finish_output(
                 TQ, SEQ_TOKENS, HEAD_DIM, BLOCK_D, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS, IGROUP, ISUPER, COLS,
                 SLICE_WAVE, POLLS,
             )  # fmt: skip
-    if n_supers > 1:
+    # Wide row blocks (IGROUP 1) fold an output of one supergroup from its slot too (``group_known``).
+    folds_output = n_supers > 1
+    if IGROUP == 1:
+        folds_output = n_supers > 0
+    if folds_output:
         known = counter_ptr + OUT_KNOWN * num_programs + p_first
         claimed = counter_ptr + OUT_CLAIMED * num_programs + p_first
         helps = owner
@@ -188,7 +192,7 @@ def finish_super(
                 acc, m, l = fold_slots(
                     ws_acc_ptr, ws_ml_ptr, slot0 + k0, k1 - k0, n_rows, c0, BLOCK_D, BLOCK_G, COLS, SLICE_WAVE, ISUPER
                 )
-                if n_supers == 1:
+                if (n_supers == 1) & (IGROUP > 1):  # wide blocks' go to the slot (``finish_output``)
                     store_output(
                         out_ptr, lse_ptr, sinks_ptr, s, hu, acc, m, l, unit_cols(hu, NUM_VC, BLOCK_D) + c0, HQ,
                         GROUP, TQ, SEQ_TOKENS, HEAD_DIM, COLS, BLOCK_G, NUM_GC, NUM_VC, HAS_SINKS,

@@ -463,18 +463,22 @@ _MLA_CONTRIBUTORS = "; one sequence of one token: 128 contributors, B=1 32k 1.11
 # an SM's whole 256 KB register file; 32-row blocks spilled 28 local accesses an iteration on
 # sm_90, 30 on sm_80), so its chunks are INVARIANT_WIDE_TILE_N = 512 keys, each its own group,
 # attended in a K/V loop of their own from a fresh state (``chunks._attend_group_chunks``).
-# Compiled as launched (paged64, 128 heads; kernel report): sm_90 646 SASS a 32-key iteration
-# (the default's 64-row block: 652), 2 K/V buffers, 16-byte loads, and 6 reloads of loop-invariant
-# words (shared-memory addresses) an iteration from L1, nothing stored (Tq 4: 6; e4m3: 11;
-# paged16, two page ids a block: 13, at 64 heads 15), with about 1.2 KB of spills outside the
-# loop (its folds hold 64 x 512 values); sm_80's 32-row blocks 593 SASS, no K/V-loop spill (Tq 4
-# and e4m3 too). The schedule deals 512-key tiles, so a short sequence has few: modelled on an
-# H100 (simulator, unmeasured), DP attention at 16 bits takes 2.04-2.22x the default's time from B=8
-# (DeepSeek-V3, Tq 1 and 2; Kimi-K2 1.77-1.84x from 32k) against 3.56-4.85x in 16-row blocks, 82
-# of the 96 DP shapes are faster (0.44-0.99x the 16-row blocks' time), and B=1 slower at 4k (52.6
-# us against 9.4-15.5: 16 tiles for 132 SMs) and for Kimi-K2 at 32k-128k (1.09-1.17x); the A100
-# (32-row blocks) 80 of 96 faster, B=1 at 4k up to 2.33x slower.
-_MLA_INVARIANT = "; invariant variant the same wide blocks, one state, 512-key chunks (kernel report, simulator)"
+# Compiled as launched (paged64, 128 heads; kernel report): sm_90 676 SASS a 32-key iteration
+# (the default's 64-row block: 652), 2 K/V buffers, 16-byte loads, 243 registers and no spill (Tq
+# 4, e4m3 and every feature too: 242-254 registers); its folds go in column slices
+# (``folds._fold_in_slices``), for a 64 x 512 value folded whole holds two such states, and with
+# them ptxas reloaded 6-15 words an iteration inside the K/V loop and spilled 1.2 KB; sm_80's
+# 32-row blocks 569 SASS, no spill (Tq 4 and e4m3 too). The schedule deals 512-key tiles, so a
+# short sequence has few: modelled on an
+# H100 (simulator, unmeasured), DP attention at 16 bits takes 2.11-2.22x the default's time from B=8
+# (DeepSeek-V3, Tq 1 and 2; Kimi-K2 1.77-1.85x from 32k) against 3.56-4.85x in 16-row blocks, 82
+# of the 96 DP shapes are faster (0.44-0.99x the 16-row blocks' time), and B=1 slower at 4k (54.2
+# us against 9.4-15.5: 16 tiles for 132 SMs) and for Kimi-K2 at 32k-128k (1.10-1.20x); the A100
+# (32-row blocks) 80 of 96 faster, B=1 at 4k up to 2.38x slower.
+_MLA_INVARIANT = (
+    "; invariant variant the same wide blocks, one state, 512-key chunks, folds in column slices: no spill "
+    "(kernel report, simulator)"
+)
 _MLA_FP8_SM80 = "; fp8 on sm_80: 16-bit blocks kept (64-key blocks take 163 KB of smem, the A100's limit)"
 _MLA_FP8 = "MLA 576/512 fp8: 32-key blocks, as 16-bit (64-key blocks of 64 rows take 280 KB of smem)"
 

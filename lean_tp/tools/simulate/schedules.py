@@ -431,7 +431,9 @@ def _invariant_merges(
 ) -> tuple[float, int]:
     """(end, longest chain of partials) of the batch-invariant mode's folds (``invariant.py``),
     each a left-to-right fold of ``wave`` partials loaded at once: one L2 round trip per wave, plus
-    the arrival atomic where several programs count in. A group of ``group_chunks`` chunks (the
+    the arrival atomic where several programs count in. Wide row blocks (``group_chunks`` 1) fold
+    each supergroup into its slot in column slices by one program, and every output from its
+    supergroups' slots in column slices. A group of ``group_chunks`` chunks (the
     plan's IGROUP)
     is ready when its holders' segments end (one holder: in registers; several: its last holder
     folds the first holder's fold and each later chunk); a supergroup of
@@ -456,7 +458,8 @@ def _invariant_merges(
     end, chain = kv_end, 0
     for unit, held in pieces.items():
         n = max(first + n_tiles for first, n_tiles, *_ in held)
-        if len(held) == 1 and n <= group_chunks * INVARIANT_SUPER_GROUPS:
+        wide = group_chunks == 1  # wide row blocks: every fold in column slices, from the workspace
+        if len(held) == 1 and n <= group_chunks * INVARIANT_SUPER_GROUPS and not wide:
             stored = math.ceil(n / group_chunks) - 1
             if stored:  # the stored groups' round trip, then their loads
                 finish = held[0][3] + gpu.l2_latency_us + _merge_level_us(stored, wave, partial, gpu, False)
@@ -485,6 +488,11 @@ def _invariant_merges(
                     slice_wave,
                     polls,
                 )
+            elif wide:  # stored, then folded in slices into the supergroup's slot by one program
+                ready += (
+                    gpu.l2_latency_us
+                    + _sliced_merge(len(members), slice_wave, partial, gpu, slices, 1, False, False)[0]
+                )
             elif len(members) > 1 or not members[0][1]:  # one split group: its finisher holds the value
                 # The groups' values are stored, then loaded: one more L2 trip, as the default
                 # tree's second level pays (``_tree_merges``).
@@ -495,7 +503,7 @@ def _invariant_merges(
         finish, longest = max(supers)
         if len(held) == 1:  # one program folds its supergroups one after another, then them
             finish = held[0][3] + sum(r - held[0][3] for r, _ in supers)
-        if len(supers) > 1:
+        if len(supers) > 1 or wide:
             finish = max(finish, *(r for r, _ in supers)) + gpu.l2_latency_us
             if slice_wave:
                 shared, waiters = len(held) > 1, waits.get(unit, [])
