@@ -73,9 +73,9 @@ def finish_output(
     in column slices (``group_known``'s SLICED): first the supergroup folds in slices it owns
     (``own_lead``, ``own_end``: ``finish_super``) or helps with, then, for an output of several
     supergroups (wide row blocks, IGROUP 1: of any number), the output's, once the last of them is
-    known: slices of COLS, SLICE_WAVE values loaded at once. The output's ``owner`` claims slices until none is left, and its contributors
-    with no tiles left wait for the count (``merge.await_count``) and claim slices beside it. Every
-    slice folds the same values in the same order, so who folds it never changes its bits. Where
+    known: slices of COLS, SLICE_WAVE values loaded at once. The output's ``owner`` claims slices
+    until none is left, and its contributors with no tiles left wait for the count
+    (``merge.await_count``) and claim slices beside it. Every slice folds the same values in the same order, so who folds it never changes its bits. Where
     several programs hold the output (of any number of supergroups), each counts itself out here,
     and the last zeroes the counters of the output and of its groups and supergroups
     (``_zero_counters``) for the next launch (or CUDA-graph replay)."""

@@ -145,8 +145,9 @@ class KernelVariant:
         cols = merge_cols(block_g, block_d, config.merge_wave_elems)
         # The batch-invariant mode's chunk is its schedule's tile (invariant.py); the default mode
         # ignores IGROUP.
-        chunks = config.invariant_chunks(block_g) if f.batch_invariant else (config.tile_n, INVARIANT_GROUP_CHUNKS)
-        tile_n, igroup = chunks
+        tile_n, igroup = (
+            config.invariant_chunks(block_g) if f.batch_invariant else (config.tile_n, INVARIANT_GROUP_CHUNKS)
+        )
         return {
             "GROUP": self.group,
             "TQ": f.num_tokens,
